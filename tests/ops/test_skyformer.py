@@ -264,6 +264,24 @@ def test_a_ridge_past_the_dtypes_range_is_refused_in_a_sentence(method, causal):
     assert out.isfinite().all()
 
 
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_the_materialised_forms_refuse_causal_in_a_sentence(method):
+    """The materialised forms (the two-way blocks formed whole) ignored causal=True, every
+    row seeing later keys (0.9 off the causal form), and the causal form's options."""
+    from skyformer.ops.nystrom_softmax import materialised_nystrom_softmax_attention
+
+    materialised = {"skyformer": materialised_skyformer_attention,
+                    "nystrom_softmax": materialised_nystrom_softmax_attention}[method]
+    q, k, v = make_qkv(1, 1, 6, 4)
+    with pytest.raises(ValueError, match=rf"^materialised_{method}_attention has no causal "
+                                         rf"form .* use {method}_attention\(\.\.\., "
+                                         rf"causal=True\)\.$"):
+        materialised(q, k, v, causal=True, generator=gen(0))
+    with pytest.raises(ValueError, match=rf"^{method}: landmark_stride=2 shapes causal .* "
+                                         rf"leave it out, or use {method}_attention"):
+        materialised(q, k, v, landmark_stride=2, generator=gen(0))
+
+
 def test_bad_options_name_the_problem():
     q, k, v = make_qkv(1, 1, 8, 4)
     for options, word in (

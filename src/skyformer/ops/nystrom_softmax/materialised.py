@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ...linalg import half_sq_norm
 from ...registry import with_options
+from ..shared.causal_nystrom import refuse_causal_in_materialised
 from ..shared.modified_nystrom import modified_nystrom_factors
 from .nystrom_softmax import NystromSoftmaxConfig, in_float64_where_needed, normalise, prepare
 
@@ -29,7 +30,8 @@ def materialised_nystrom_softmax_attention(
     """``nystrom_softmax_attention`` with the [N, m] blocks formed whole.
 
     Args and returns as ``nystrom_softmax_attention`` (computed in float64 where it is:
-    ``needs_float64``).
+    ``needs_float64``), non-causal only (``causal=True`` and the causal form's options
+    are refused in a sentence).
     """
     return in_float64_where_needed(_materialised, q, k, v, config, generator=generator,
                                    key_padding_mask=key_padding_mask,
@@ -39,6 +41,7 @@ def materialised_nystrom_softmax_attention(
 def _materialised(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,
                   key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
                   generator: torch.Generator | Tensor | None) -> Tensor:
+    refuse_causal_in_materialised("nystrom_softmax", config)
     info, landmarks, root, work = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)

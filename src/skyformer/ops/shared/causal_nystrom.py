@@ -124,6 +124,18 @@ def refuse_causal_form_options(method: str, config: CausalNystromOptions,
             + (f", or {way_out}." if way_out else "."))
 
 
+def refuse_causal_in_materialised(method: str, config: CausalNystromOptions) -> None:
+    """``materialised_<method>_attention`` forms the non-causal form's blocks whole (the
+    path the fused one is tested against): ``causal=True``, which it would ignore (every
+    row seeing later keys), and the causal form's options are refused in a sentence."""
+    if config.causal:
+        raise ValueError(
+            f"materialised_{method}_attention has no causal form (it forms the two-way "
+            f"blocks whole): use {method}_attention(..., causal=True).")
+    refuse_causal_form_options(method, config,
+                               way_out=f"use {method}_attention(..., causal=True)")
+
+
 @dataclass(frozen=True)
 class CausalLandmarks:
     """Landmark slots in order of availability."""

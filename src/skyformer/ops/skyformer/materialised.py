@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ...registry import with_options
+from ..shared.causal_nystrom import refuse_causal_in_materialised
 from ..shared.inputs import zero_padded_queries
 from ..shared.modified_nystrom import modified_nystrom_factors
 from .skyformer import SkyformerConfig, prepare
@@ -29,8 +30,10 @@ def materialised_skyformer_attention(
 ) -> Tensor:
     """``skyformer_attention`` with the [N, m] blocks formed whole and autograd backward.
 
-    Args and returns as ``skyformer_attention``.
+    Args and returns as ``skyformer_attention``, non-causal only (``causal=True`` and
+    the causal form's options are refused in a sentence).
     """
+    refuse_causal_in_materialised("skyformer", config)
     info, landmarks, scale, work = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
