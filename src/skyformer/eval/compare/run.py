@@ -197,7 +197,10 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "qkv.pt"
-        torch.save({"q": q, "k": k, "v": v}, inputs)
+        # the mask too: the peak is that of the call whose errors and time the row has
+        torch.save({"q": q, "k": k, "v": v, **({} if key_padding_mask is None else
+                                                {"key_padding_mask": key_padding_mask})},
+                   inputs)
         # a bar on a terminal, nothing when piped (tqdm's disable=None)
         for name in tqdm(methods, desc="compare", unit="method", leave=False, disable=None):
             rows.append(_row(name, given, config, targets, str(inputs)))

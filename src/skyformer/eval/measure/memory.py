@@ -61,7 +61,9 @@ class MemoryJob:
     dtype: str = "float32"
     seed: int = 0
     backward: bool = False
-    inputs: str | None = None  # a file written by torch.save({"q", "k", "v"})
+    # a file written by torch.save({"q", "k", "v"}), with "key_padding_mask" where the
+    # call takes one
+    inputs: str | None = None
     as_layer: bool = False  # with the per-layer state a layer owns (``NamedAttention.prepare``)
 
 
@@ -95,17 +97,21 @@ def _resolve(target: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _inputs(job: MemoryJob, device: torch.device
+            ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """q, k, v (requiring grad for a backward job) and the key padding mask (or None)."""
+    mask = None
     if job.inputs is not None:
         data = torch.load(job.inputs, map_location=device, weights_only=True)
         tensors = (data["q"], data["k"], data["v"])
+        mask = data.get("key_padding_mask")
     else:
         g = torch.Generator(device=device).manual_seed(job.seed)
         dtype = getattr(torch, job.dtype)
         tensors = tuple(
             torch.randn(job.shape, generator=g, device=device, dtype=dtype) for _ in range(3)
         )
-    return tuple(t.detach().requires_grad_(job.backward) for t in tensors)
+    return tuple(t.detach().requires_grad_(job.backward) for t in tensors), mask
 
 
 class _AttentionCall:
@@ -117,13 +123,15 @@ class _AttentionCall:
     made before the timing)."""
 
     def __init__(self, job: MemoryJob, call: Any, inputs: tuple[torch.Tensor, ...],
-                 device: torch.device) -> None:
+                 mask: torch.Tensor | None, device: torch.device) -> None:
         self.job, self.call, self.inputs = job, call, inputs
+        self.masked = {} if mask is None else {"key_padding_mask": mask}
         self.generator = torch.Generator(device=device)
         self.grad: torch.Tensor | None = None
 
     def __call__(self) -> None:
-        out = self.call(*self.inputs, self.generator.manual_seed(self.job.seed))
+        out = self.call(*self.inputs, self.generator.manual_seed(self.job.seed),
+                        **self.masked)
         if self.job.backward:
             if self.grad is None:
                 self.grad = torch.ones_like(out)
@@ -144,10 +152,10 @@ def _call(job: MemoryJob | CallJob, device: torch.device) -> Any:
     """The zero-argument callable to measure."""
     if isinstance(job, CallJob):
         return _resolve(job.setup)(**job.kwargs)
-    q, k, v = _inputs(job, device)
+    (q, k, v), mask = _inputs(job, device)
     call = resolve(job.method).prepare(call_shape(q, k), job.options, device=device,
                                        dtype=q.dtype, as_layer=job.as_layer)
-    return _AttentionCall(job, call, (q, k, v), device)
+    return _AttentionCall(job, call, (q, k, v), mask, device)
 
 
 def measure_in_this_process(job: MemoryJob | CallJob, device: torch.device | str = "cpu") -> int:
