@@ -170,6 +170,21 @@ def test_a_module_on_this_process_path_only_is_found_by_the_measuring_process(
             sys.modules.pop(name, None)
 
 
+def test_a_setup_module_not_imported_yet_is_found_by_the_measuring_process(
+        tmp_path, monkeypatch):
+    """A script's ``CallJob`` naming a module beside it that the script has not imported
+    (``sys.path`` has its folder): the fresh process got no folder for it, as the roots
+    were read from ``sys.modules`` only, and failed with ModuleNotFoundError."""
+    import sys
+
+    (tmp_path / "toy_unimported_setup.py").write_text(
+        "def make():\n    return lambda: None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert "toy_unimported_setup" not in sys.modules
+    assert peak_memory_bytes(CallJob("toy_unimported_setup:make")) >= 0
+
+
 def test_a_function_of_main_gets_the_sentence_a_method_registered_there_gets(monkeypatch):
     """``__main__:function`` (a notebook's or a script's function): the measuring process
     has a ``__main__`` of its own, so the function cannot be found there; this was said

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -261,11 +262,21 @@ def _import_roots(job: MemoryJob | CallJob, imports: list[str]) -> list[str]:
     names = [spec.partition(":")[0]] if ":" in spec else []
     roots = []
     for name in [*names, *imports]:
-        file = getattr(sys.modules.get(name), "__file__", None)
+        file = getattr(sys.modules.get(name), "__file__", None) or _origin(name)
         if file:
             path = Path(os.path.abspath(file))
             roots.append(str(path.parents[name.count(".") + (path.stem == "__init__")]))
     return roots
+
+
+def _origin(name: str) -> str | None:
+    """The file this process would import module ``name`` from (not imported yet: a
+    script's ``CallJob`` setup beside it), or None where it finds none."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that does not import
+        return None
+    return spec.origin if spec is not None and spec.has_location else None
 
 
 def _main(argv: list[str]) -> None:
