@@ -108,6 +108,21 @@ def test_files_and_table(tiny, tmp_path):
         "| method | N=64 | N=128 |" in wide and wide.count("| skyformer |") == 3
     )  # time, error, SOL
     assert "faster than softmax" in wide or "slower than softmax" in wide
+
+
+def test_small_ratios_keep_their_digits_in_both_tables(tiny):
+    """A method 250 times slower and lighter showed 0.00x and 0 % in the narrow table
+    and in the wide table's memory column: two significant digits below 0.1x, one below
+    1 %."""
+    rows = [dict(r) for r in tiny.rows]
+    for r in rows:
+        if r["method"] == "skyformer":
+            r.update(speedup=0.0042, memory_ratio=0.0031, peak_mib=1.0, sol_fraction=0.004)
+    slow = dataclasses.replace(tiny, rows=rows)
+    table, wide = format_table(slow), format_wide(slow)
+    assert "0.0042x" in table and "0.0031x" in table and "0.4%" in table
+    assert "0.00x" not in table and " 0% " not in table
+    assert "(0.0031x)" in wide and "| 0.4% |" in wide and "(0.00x)" not in wide
     copy = dataclasses.replace(tiny, rows=[dict(r) for r in tiny.rows])  # tiny is shared
     row = next(r for r in copy.rows if r["method"] == "skyformer" and r["speedup"])
     for speedup, shown in ((0.0417, "(0.0417x)"), (12.51, "(12.5x)"), (1234.5, "(1234x)")):
@@ -746,7 +761,7 @@ def test_errors_above_the_trivial_answer_are_marked(tiny):
     for r in tiny.rows:
         assert 0 < r["trivial_error"] <= 1.0
     row = {"rel_error": 0.7, "trivial_error": 0.5}
-    assert worse_than_trivial(row) and _cell(row, "rel_error", "{:.2e}") == "7.00e-01!"
+    assert worse_than_trivial(row) and _cell(row, "rel_error", "{:.2e}".format) == "7.00e-01!"
     assert not worse_than_trivial({"rel_error": 0.2, "trivial_error": 0.5})
 
 

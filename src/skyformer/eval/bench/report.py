@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,18 +11,6 @@ from ..measure.memory import CPU_RESOLUTION_BYTES, above_resolution
 from ..measure.metrics import worse_than_trivial as trivial_rule
 from .run import HALF, BenchResult
 
-COLUMNS = [
-    ("N", "n", "{:d}"),
-    ("fwd ms", "fwd_ms", "{:.2f}"),
-    ("fwd+bwd ms", "fwd_bwd_ms", "{:.2f}"),
-    ("speed-up", "speedup", "{:.2f}x"),
-    ("N->2N", "growth", "{:.2f}"),
-    ("peak MiB", "peak_mib", "{:.1f}"),
-    ("memory", "memory_ratio", "{:.2f}x"),
-    ("rel. error", "rel_error", "{:.2e}"),
-    ("SOL", "sol_fraction", "{:.0%}"),
-]
-
 
 def _times(ratio: float) -> str:
     """A speed-up: three significant digits below 100 (0.0417x, not 0.0x; 12.5x), whole
@@ -29,11 +18,36 @@ def _times(ratio: float) -> str:
     return f"{ratio:.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
 
 
-def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+def _ratio(ratio: float) -> str:
+    """A ratio of the narrow table: two decimals, two significant digits below 0.1 (a
+    method 250 times slower: 0.004x, not 0.00x)."""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
+def _share(fraction: float) -> str:
+    """A speed-of-light fraction: whole percents, one significant digit below 1 %
+    (0.4 %, not 0 %)."""
+    return f"{fraction:.0%}" if fraction >= 0.01 else f"{fraction * 100:.1g}%"
+
+
+COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("N", "n", "{:d}".format),
+    ("fwd ms", "fwd_ms", "{:.2f}".format),
+    ("fwd+bwd ms", "fwd_bwd_ms", "{:.2f}".format),
+    ("speed-up", "speedup", _ratio),
+    ("N->2N", "growth", "{:.2f}".format),
+    ("peak MiB", "peak_mib", "{:.1f}".format),
+    ("memory", "memory_ratio", _ratio),
+    ("rel. error", "rel_error", "{:.2e}".format),
+    ("SOL", "sol_fraction", _share),
+]
+
+
+def _cell(row: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
     value = row.get(key)
     if value is None:
         return "-"
-    return fmt.format(value) + ("!" if key == "rel_error" and worse_than_trivial(row) else "")
+    return fmt(value) + ("!" if key == "rel_error" and worse_than_trivial(row) else "")
 
 
 def worse_than_trivial(row: dict[str, Any]) -> bool:
@@ -192,16 +206,16 @@ WIDE = [  # (title, value key, ratio key or None, format)
         "{timed} ms, {clock} clock ({ref} time / method time)",
         "{time}",
         "speedup",
-        "{:.1f}",
+        "{:.1f}".format,
         _times,
     ),
-    ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}", "{:.2f}x".format),
-    ("Relative spectral error against the exact target", "rel_error", None, "{:.2e}", ""),
+    ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}".format, _ratio),
+    ("Relative spectral error against the exact target", "rel_error", None, "{:.2e}".format, ""),
     (
         "Speed of light: matmul FLOPs at the measured matmul rate / measured time",
         "sol_fraction",
         None,
-        "{:.0%}",
+        _share,
         "",
     ),
 ]
@@ -236,7 +250,7 @@ def format_wide(result: BenchResult) -> str:
                     elif r.get(key) is None:
                         cells.append("-")
                     else:
-                        cell = fmt.format(r[key])
+                        cell = fmt(r[key])
                         if key == "rel_error" and worse_than_trivial(r):
                             cell += " !"
                         if ratio and m != cfg.reference and r.get(ratio) is not None:
