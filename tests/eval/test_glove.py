@@ -29,6 +29,17 @@ def test_word2vec_header_and_words_with_spaces(tmp_path):
     assert read_glove(path, 3).tolist() == [[1, 2], [3, 4], [5, 6]]
 
 
+@pytest.mark.parametrize("before", ["\ufeff", "\n", "\ufeff \n\n"])
+def test_a_header_after_a_byte_order_mark_or_blank_lines_is_skipped(tmp_path, before):
+    """A byte-order mark or a blank line before the word2vec header hid it: the header
+    was read as a word with one number, and the next line refused as inconsistent."""
+    path = tmp_path / "g.txt"
+    path.write_text(before + "2 2\nhello 1 2\nworld 3 4\n", encoding="utf-8")
+    assert read_glove(path, 2).tolist() == [[1, 2], [3, 4]]
+    path.write_text(before + "2 1\n7 3\n8 4\n", encoding="utf-8")  # words that are numbers
+    assert read_glove(path, 2).tolist() == [[3], [4]]  # only the first line is a header
+
+
 def test_a_word_of_unicode_spaces_is_one_field(tmp_path):
     """GloVe splits at spaces and tabs only: a word that is or holds NBSP or U+3000 was
     split by str.split() and the file refused as inconsistent."""

@@ -103,14 +103,18 @@ def read_glove(path: str | Path, count: int, *, at_most: bool = False) -> Tensor
         raise ValueError(f"count must be at least 1, got {count}.")
     rows: list[list[float]] = []
     dim: int | None = None
-    with p.open("r", encoding="utf-8", errors="replace") as handle:
+    first = True  # the first non-blank line: it may be a word2vec header
+    # utf-8-sig: a byte-order mark before a word2vec header would hide the header
+    with p.open("r", encoding="utf-8-sig", errors="replace") as handle:
         for line_no, line in enumerate(handle, start=1):
             fields = _fields(line)
             if not fields:
                 continue
-            if dim is None:
-                if line_no == 1 and len(fields) == 2 and all(f.isdigit() for f in fields):
+            if first:
+                first = False
+                if len(fields) == 2 and all(f.isdigit() for f in fields):
                     continue  # word2vec header "count dim"
+            if dim is None:
                 dim = _width(fields, p, line_no)
             rows.append(_vector(fields, dim, p, line_no))
             if len(rows) == count:
