@@ -98,6 +98,20 @@ def test_library_logs_through_logging_and_prints_only_when_enabled(capsys, caplo
         _without_console()
 
 
+def test_a_closed_standard_output_drops_log_lines_quietly(monkeypatch, capsys):
+    """``skyformer approx >&-``: standard output is None (``cli/streams.py``), which
+    ``print`` skips; each log line raised inside the handler and logging printed a
+    'Logging error' traceback on standard error."""
+    _without_console()
+    enable_console()
+    monkeypatch.setattr(sys, "stdout", None)
+    try:
+        get_logger("test").info("nowhere to go")
+    finally:
+        _without_console()
+    assert "Logging error" not in capsys.readouterr().err
+
+
 def test_cross_attention_key_mask_is_not_a_query_mask():
     """With a context as long as x, the key padding mask marks padded context tokens
     only: every query row is real (it was read as a query mask whenever Nq == Nk)."""

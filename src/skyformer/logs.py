@@ -21,14 +21,18 @@ class _Console(logging.Handler):
     redirections made later, e.g. by pytest's capture, are followed), each flushed as
     ``logging.StreamHandler`` flushes: a log file (``> train.log``, where stdout is
     block-buffered) shows every line when it is logged, not kilobytes later, and keeps
-    the last ones when the run is killed."""
+    the last ones when the run is killed. A closed standard output (``None``: the
+    command's ``>&-``, ``cli/streams.py``) drops the record, as ``print`` does."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
+        out = sys.stdout
+        if out is None:
+            return
         try:
-            tqdm.write(self.format(record), file=sys.stdout)
-            sys.stdout.flush()
+            tqdm.write(self.format(record), file=out)
+            out.flush()
         except Exception:  # a logging handler must not raise
             self.handleError(record)
 
