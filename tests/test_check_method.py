@@ -313,6 +313,9 @@ def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
     assert results[0] == type(results[0])("output shape, dtype and values", False,
                                           "raised RuntimeError: not written yet")
     assert {r.passed for r in results} == {False, None}
+    # with a generator too: its error, not advice on drawing through random keys
+    keyed, = (r for r in results if r.name.startswith("a random key as generator"))
+    assert (keyed.passed, keyed.detail) == (False, "raised RuntimeError: not written yet")
 
 
 def test_the_command_prints_each_check_and_fails_where_one_fails(leaky, capsys):
