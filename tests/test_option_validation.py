@@ -7,7 +7,9 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
+import skyformer
 from skyformer import get_method, list_methods
 
 
@@ -85,3 +87,28 @@ def test_numpy_integers_are_taken_as_python_ints(method, option, default):
 
     value = getattr(get_method(method).bind(**{option: np.int64(default)}).config, option)
     assert value == default and type(value) is int
+
+
+@pytest.mark.parametrize("given", ["landmarks", "num_landmarks", "nb_features", "proj_dim"])
+def test_another_librarys_name_for_the_budget_points_to_num_features(given):
+    """'landmarks' was answered with "did you mean 'landmark_stride'?", another option
+    (a close spelling), and 'num_landmarks' with no suggestion at all."""
+    q = k = v = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=rf"^skyformer has no option '{given}' \(did you "
+                                         rf"mean 'num_features'\? every approximate "):
+        skyformer.attention(q, k, v, "skyformer", **{given: 4})
+    with pytest.raises(ValueError, match=rf"^softmax has no option '{given}'; its options"):
+        skyformer.attention(q, k, v, "softmax", **{given: 4})  # no budget to point to
+    with pytest.raises(ValueError, match=rf"^linear has no option '{given}'; its options"):
+        skyformer.attention(q, k, v, "linear", **{given: 4})  # one it takes and ignores
+
+
+def test_hugging_face_and_seed_arguments_get_the_call_argument_they_mean():
+    q = k = v = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"\(attention_mask: Hugging Face's mask goes to "
+                                         r"each call as key_padding_mask, .* "
+                                         r"\(attention_mask == 1\) to skyformer's calls"):
+        skyformer.attention(q, k, v, "skyformer", attention_mask=torch.ones(1, 8))
+    with pytest.raises(ValueError, match=r"\(seed: pass generator=skyformer.random_key"
+                                         r"\(seed\) when calling"):
+        skyformer.attention(q, k, v, "skyformer", seed=0)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 from ..registry import get_method, list_methods
-from ..registry.methods import did_you_mean
+from ..registry.methods import option_suggestion
 from ..registry.variants import is_variant
 from .attention import (
     PER_LAYER,
@@ -226,7 +226,7 @@ def _refuse_loader_keywords(method: str, options: dict[str, Any]) -> None:
     unknown = [key for key in options if key not in every]
     if unknown:
         known = () if method == EXACT else get_method(method).option_names()
-        close = did_you_mean(unknown[0], known)
+        close = option_suggestion(unknown[0], known)
         if close:  # a misspelt option: the method's own sentence, not the loader's
             raise ValueError(f"{method} has no option {unknown[0]!r}{close}; its options "
                              f"are {', '.join(known)}.")

@@ -148,7 +148,11 @@ class Method:
                       f"torch's SDPA arguments"] if sdpa else [])
             hints += self._call_argument_hints(unknown)
             hint = f" ({'; '.join(hints)})" if hints else ""
-            close = did_you_mean(unknown[0], self.option_names()) if len(unknown) == 1 else ""
+            # an option the method takes and ignores is no suggestion (linear's budget)
+            inert = getattr(self.config_class, "INERT_OPTIONS", ())
+            close = (option_suggestion(unknown[0], [name for name in self.option_names()
+                                                    if name not in inert])
+                     if len(unknown) == 1 else "")
             raise ValueError(
                 f"{self.name} has no option {', '.join(map(repr, unknown))}{close}; "
                 f"its options are: {known}{hint}."
@@ -165,6 +169,14 @@ class Method:
         ``projection``, Linformer's ``proj_k``, softmax's ``attn_mask``): how to pass
         them, which options cannot, one hint for each kind."""
         hints = []
+        if "attention_mask" in unknown:  # Hugging Face's name: 1 marks a real token
+            hints.append("attention_mask: Hugging Face's mask goes to each call as "
+                         "key_padding_mask, in the caller's convention: "
+                         "(attention_mask == 1) to skyformer's calls and layers, "
+                         "(attention_mask == 0) to TorchMultiheadAttention")
+        if "seed" in unknown:
+            hints.append("seed: pass generator=skyformer.random_key(seed) when calling, "
+                         "layer(x, generator=...) or bound(q, k, v, generator=...)")
         per_call = [name for name in unknown
                     if name in _CALL_NAMES and name not in ("q", "k", "v", "method")]
         if per_call:  # given to a layer's constructor or to bind(), as an option
@@ -571,6 +583,27 @@ def did_you_mean(given: object, names: Iterable[str]) -> str:
         found = difflib.get_close_matches(given.strip().lower(), list(folded), n=1, cutoff=0.75)
         close = folded[found[0]] if found else None
     return f" (did you mean {close!r}?)" if close is not None and close != given else ""
+
+
+# Names other libraries and papers give to what every approximate method here calls
+# num_features (landmarks, random features, projection length, sampled columns): a
+# close spelling of another option ('landmarks' and 'landmark_stride') is not the point.
+BUDGET_NAMES = frozenset({
+    "landmarks", "num_landmarks", "n_landmarks", "nb_features", "n_features",
+    "num_random_features", "num_samples", "proj_dim", "proj_len", "projection_dim",
+    "rank",
+})
+
+
+def option_suggestion(given: str, names: Iterable[str]) -> str:
+    """`` (did you mean 'num_features'?, ...)`` for an option name ``given`` that ``names``
+    (a method's options) lacks: another library's name of the feature budget, or a
+    close misspelling (``did_you_mean``); else ``""``."""
+    names = list(names)
+    if given in BUDGET_NAMES and "num_features" in names:
+        return (" (did you mean 'num_features'? every approximate method's landmarks, "
+                "random features or projection size)")
+    return did_you_mean(given, names)
 
 
 def refuse_misnamed_arguments(method: Method, options: dict[str, Any], entry: str,
