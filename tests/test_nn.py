@@ -416,3 +416,19 @@ def test_a_mask_without_a_real_token_gets_a_warning_naming_both_conventions():
         with pytest.raises(ValueError, match=r"must have shape \[B, Nk\] = \[2, 5\]"):
             skyformer.attention(q, q, q, "skyformer",  # the sentence alone, no warning first
                                 key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
+
+
+def test_sequence_first_input_with_a_mask_is_named_as_such():
+    """torch's default layout, [N, B, dim], beside a [B, N] mask: the method's sentence
+    blamed the mask's shape ([B, Nk] = [50, 2]) for the input's layout. Which of the two
+    is transposed the layer cannot tell: it names both fixes."""
+    layer = MultiHeadAttention(dim=16, num_heads=2, method="softmax")
+    x, mask = torch.randn(2, 10, 16), torch.ones(2, 10, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^MultiHeadAttention: x \(10, 2, 16\) and "
+                                         r"key_padding_mask \(2, 10\) disagree .* pass "
+                                         r"x\.transpose\(0, 1\), else pass key_padding_mask"):
+        layer(x.transpose(0, 1), key_padding_mask=mask)
+    with pytest.raises(ValueError, match=r"^MultiHeadAttention: context \(10, 2, 16\) "
+                                         r"and key_padding_mask"):
+        layer(torch.randn(2, 3, 16), key_padding_mask=mask, context=x.transpose(0, 1))
+    assert layer(x, key_padding_mask=mask).shape == (2, 10, 16)

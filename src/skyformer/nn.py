@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .amp import autocast_enabled
 from .checks import check_positive_int
+from .linalg.tracing import may_read_values
 from .ops.shared.inputs import check_attention_inputs, check_padding_mask
 from .ops.shared.options import check_probability
 from .registry import BoundMethod, Method, get_method
@@ -342,6 +343,18 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
                     f"{weight.dtype}; convert one of them ({name}.to({weight.dtype}) or "
                     f"layer.to({t.dtype}))."
                 )
+        # eager calls only: a tracer would record the size comparison as a guard (N != B,
+        # which torch.export refuses for a symbolic length)
+        if (isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() == 2
+                and may_read_values(source) and source.shape[0] != source.shape[1]
+                and tuple(key_padding_mask.shape) == (source.shape[1], source.shape[0])):
+            name = "x" if context is None else "context"
+            raise ValueError(  # the method's sentence would blame the mask alone
+                f"MultiHeadAttention: {name} {tuple(source.shape)} and key_padding_mask "
+                f"{tuple(key_padding_mask.shape)} disagree on which size is the batch: "
+                f"this layer is batch-first, {name} [B, N, dim] and the mask [B, N]; if "
+                f"{name} is sequence-first [N, B, dim] (torch's batch_first=False), pass "
+                f"{name}.transpose(0, 1), else pass key_padding_mask.T.")
         if context is not None and source.shape[0] != x.shape[0]:
             raise ValueError(
                 f"MultiHeadAttention: x and context must hold the same batch, got "
