@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -312,6 +313,15 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert main([*argv, "--seq-lens", "64", "--resume", "--repeats", "2"]) == 2
     assert ("other settings or on another machine (--repeats 1 -> 2: pass --repeats 1)"
             in capsys.readouterr().err)
+    # without --resume a finished run is replaced, and the command says so
+    elsewhere = tmp_path / "replaced"
+    shutil.copy(out.with_suffix(".json"), elsewhere.with_suffix(".json"))
+    assert main([*argv[:-2], str(elsewhere), "--no-plot", "--seq-lens", "64"]) == 0
+    assert (f"note: replacing {elsewhere.with_suffix('.json')} (a finished run, N = 64, "
+            f"128, 256); --resume adds to it instead, another --out keeps it."
+            in capsys.readouterr().err)
+    assert [r["n"] for r in json.loads(elsewhere.with_suffix(".json").read_text())["rows"]
+            ] == [64, 64]
     assert main(["bench", "--resume", "--no-memory"]) == 2
     assert "give --out" in capsys.readouterr().err
 

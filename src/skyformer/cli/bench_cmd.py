@@ -14,6 +14,7 @@ from ..eval.bench.resume import (
     earlier_runs,
     read_earlier_result,
     refuse_to_replace_an_interrupted_run,
+    replacing_a_finished_run,
     resumable_rows,
 )
 from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, left_to_measure, run_bench
@@ -251,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
                                   say=functools.partial(print, file=sys.stderr))
         if not args.resume:
             refuse_to_replace_an_interrupted_run(result_path(args.out, ".json"))
+            replacing = replacing_a_finished_run(result_path(args.out, ".json"))
+            if replacing:
+                print(replacing, file=sys.stderr)
         return _measure(args, config)
 
 

@@ -77,6 +77,22 @@ def refuse_to_replace_an_interrupted_run(path: Path) -> None:
                      f"again.")
 
 
+def replacing_a_finished_run(path: Path) -> str | None:
+    """The note a run without ``--resume`` prints where ``path`` holds a finished run,
+    whose rows it replaces (lengths it does not measure again are gone): which lengths,
+    and how to keep them. None where there is no such file."""
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not (is_bench_result(earlier) and earlier.get("complete") is not False):
+        return None
+    lengths = sorted({row.get("n") for row in earlier["rows"] if isinstance(row.get("n"), int)})
+    held = f"N = {', '.join(map(str, lengths))}" if lengths else "no rows"
+    return (f"note: replacing {path} (a finished run, {held}); --resume adds to it "
+            f"instead, another --out keeps it.")
+
+
 def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(rows ``config`` may reuse, rows it does not ask for) of an earlier result file
