@@ -43,6 +43,14 @@ def test_tables_average_seeds_and_tasks(tmp_path):
     assert "softmax" in text and "Notes" not in text
 
 
+def test_a_short_runs_hours_and_memory_keep_their_digits(tmp_path):
+    """Table 2 printed three decimals: a 10-second run showed 0.000 hours."""
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.36, seconds=10.0, memory=2**20)
+    time_row = [line for line in tables(collect_runs([tmp_path])).splitlines()
+                if line.startswith("| softmax |")][1]
+    assert time_row == "| softmax | 0.0028 | 0.00098 |"
+
+
 def test_synthetic_and_short_runs_are_flagged(tmp_path):
     _fake_run(tmp_path, "pathfinder", "softmax", 0, 0.7, synthetic_data=True)
     _fake_run(tmp_path, "text", "softmax", 0, 0.5, dev_is_test=True)

@@ -326,6 +326,15 @@ def _cell(values: list[float], scale: float = 1.0, digits: int = 2, spread: bool
     return f"{mean:.{digits}f}"
 
 
+def _amount_cell(values: list[float]) -> str:
+    """The mean of Table 2's hours or GiB: three decimals, two significant digits below
+    0.01 (a short run's 0.0028 hours, not 0.000)."""
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    return f"{mean:.3f}" if mean >= 0.01 or mean == 0 else f"{mean:.2g}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -440,11 +449,11 @@ def tables(runs: list[Run], unfinished: list[Unfinished] = ()) -> str:
         for task in tasks:
             hours = _by_seed(groups.get((task, method, label), []),
                              lambda r: r.result["train_seconds"] / 3600)
-            row.append(_cell(hours, digits=3, spread=False))
+            row.append(_amount_cell(hours))
         for task in tasks:
             gib = _by_seed(groups.get((task, method, label), []),
                            lambda r: r.result["peak_memory_bytes"] / 2**30)
-            row.append(_cell(gib, digits=3, spread=False))
+            row.append(_amount_cell(gib))
         rows.append(row)
     kinds = sorted({r.result.get("peak_memory_kind", "?") for r in runs})
     out += [f"Table 2: training time (hours, excluding evaluation) and peak memory (GiB; "
