@@ -120,7 +120,7 @@ def test_compare_on_real_minilm_qkv(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "pretrained all-MiniLM-L6-v2, layer 0" in printed
-    assert "seed 0: the draws of the randomized methods" in printed
+    assert "seed 0: the draws of the randomized methods in every row" in printed
     data = json.loads(out_json.read_text())
     rows = {r["method"]: r for r in data["rows"]}
     assert rows["softmax"]["spectral_error"] < 1e-5

@@ -234,7 +234,7 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Gaussian kernel, not a drop-in" in printed
     assert "long: 6 texts of 64 tokens" in printed  # equal lengths: one number, not 64-64
-    assert "seed 0: the draws of the randomized methods" in printed
+    assert "seed 0: the draws of the randomized methods in every row" in printed
     data = json.loads((out / "hf_eval.json").read_text())
     assert data["config"]["features"] == [8] and "torch" in data["environment"]
     assert data["config"]["layers"] == [0, 1] and data["config"]["clock"] == "cpu"

@@ -127,7 +127,7 @@ def _measure(args: argparse.Namespace) -> dict | None:
         print(note, file=sys.stderr)
     result = compare(config) if args.qkv is None else _compare_file(args, config)
     print(f"Q/K/V: {result.source}")
-    print(f"seed {args.seed}: the draws of the randomized methods (their rows' seed)"
+    print(f"seed {args.seed}: the draws of the randomized methods in every row"
           + ("" if not args.random_init else " and the random weights"))
     print(format_table(result.rows))
     if args.maps:

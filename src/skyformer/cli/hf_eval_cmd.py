@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     print("cos: cosine similarity of the embeddings to the exact model's (mean, min); R@1: "
           f"nearest-neighbour agreement with the exact model; time ({config.clock} clock) and "
           f"memory: one forward pass; seed {config.seed}: the draws of the randomized methods "
-          "and the untrained weights (their rows' seed)")
+          "in every row and the initial values of weights a method adds (Linformer's "
+          "projections and the like; no fine-tuning)")
     print(format_table(result.rows))
     out = Path(args.out)
     names = ["hf_eval.json", "hf_eval.csv", "hf_eval.md"] + ([] if args.no_plot
