@@ -979,3 +979,26 @@ def test_the_no_weights_warning_flag_is_no_guard_of_a_compiled_call():
         layer(x, x, x)
     compiled(x)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_mask_padding_every_key_is_warned_of_at_the_callers_line():
+    """True everywhere (skyformer's convention, True = real, given to torch's layer):
+    every key was padding and every output row 0, without a word, where the same
+    mistake through skyformer's own calls is warned of."""
+    mha = TorchMultiheadAttention(16, 2, method="skyformer", batch_first=True)
+    x = torch.randn(2, 10, 16)
+    with pytest.warns(UserWarning, match=r"^TorchMultiheadAttention \(skyformer\): "
+                                         r"key_padding_mask pads every key .* pass None "
+                                         r"where nothing is padded, or ~mask") as said:
+        out, _ = mha(x, x, x, key_padding_mask=torch.ones(2, 10, dtype=torch.bool),
+                     need_weights=False)
+    assert said[0].filename == __file__ and out.eq(mha.out_proj.bias).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mha(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool), need_weights=False)
+        mha(x, x, x, key_padding_mask=torch.eye(2, 10, dtype=torch.bool), need_weights=False)
+    # torch's encoder layer passes a bool mask on as a float one, -inf where True
+    encoder = replace_attention(nn.TransformerEncoder(nn.TransformerEncoderLayer(
+        16, 2, batch_first=True), 1, enable_nested_tensor=False), "skyformer")
+    with pytest.warns(UserWarning, match=r"key_padding_mask pads every key"):
+        encoder(x, src_key_padding_mask=torch.ones(2, 10, dtype=torch.bool))

@@ -77,6 +77,7 @@ from .registry import (
     get_method,
     methods_that_can,
 )
+from .registry.guard import warn_if_every_key_is_torch_padding
 from .user_frame import warn_from_user_frame
 from .weights import call_maybe_with_weights, check_weights
 
@@ -301,6 +302,8 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             k, v = self._append_keys(k, v)
             key_padding_mask, attn_mask = (None if m is None else _with_columns(
                 m, self._appended_keys, False) for m in (key_padding_mask, attn_mask))
+        if not self._appended_keys:  # else the appended keys are real
+            warn_if_every_key_is_torch_padding(f"{NAME} ({self.method})", key_padding_mask)
         b, _, lq, _ = q.shape
         appended = 0 if exact else self._appended_keys  # after the masks are read
         if 0 in (b, lq, k.shape[2] + appended):  # torch: empty, or the output projection of 0

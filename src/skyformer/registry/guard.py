@@ -61,6 +61,26 @@ def warn_if_no_real_key(method: str, key_padding_mask: object, k: Any) -> None:
                              UserWarning)
 
 
+def warn_if_every_key_is_torch_padding(layer: str, key_padding_mask: object) -> None:
+    """``warn_if_no_real_key`` for a layer in torch's convention (True = padding): a bool
+    ``key_padding_mask`` True everywhere (or a float one -inf everywhere, as torch's
+    ``TransformerEncoderLayer`` passes a bool one on) pads every key, and every attention
+    row is 0 (torch's own layer gives NaN rows on some of its paths); such a mask is most
+    often one whose True marks the real tokens. CPU eager calls only, as there."""
+    mask = key_padding_mask
+    if not (isinstance(mask, Tensor) and mask.numel() and mask.device.type == "cpu"
+            and (mask.dtype == torch.bool or mask.is_floating_point())
+            and may_read_values(mask)):
+        return
+    if mask.all() if mask.dtype == torch.bool else torch.isneginf(mask).all():
+        warn_from_user_frame(
+            f"{layer}: key_padding_mask pads every key (True, or -inf, everywhere; True = "
+            f"padding, as in torch.nn.MultiheadAttention), so every attention row is 0 and "
+            f"the output is out_proj's bias; pass None where nothing is padded, or ~mask "
+            f"for a mask whose True marks the real tokens (transformers' attention_mask == "
+            f"1, skyformer's own layers).", UserWarning)
+
+
 def _padding(mask: Any, batch: int, length: int, device: torch.device) -> Tensor | None:
     """A ``[B, N]`` bool mask (True = real) on ``device`` as given, or None (also for
     masks of another form or device, which the method's own checks answer with a
