@@ -58,6 +58,19 @@ def test_the_maps_of_one_head_with_each_methods_matrix_error(tmp_path, capsys, s
     assert f"  skyformer                matrix error {want:.3g} (gaussian)" in printed
 
 
+def test_a_method_without_a_matrix_alone_is_shown_beside_its_exact_target(tmp_path, saved):
+    """--methods kdeformer alone drew one empty panel: the exact matrix of its target
+    was computed for the methods with a matrix only."""
+    path, *_ = saved
+    figure, out_json = tmp_path / "maps.png", tmp_path / "compare.json"
+    assert main(["compare", "--qkv", str(path), "--methods", "kdeformer", "--repeats", "1",
+                 "--no-memory", "--maps", str(figure), "--json", str(out_json)]) == 0
+    maps = json.loads(out_json.read_text())["maps"]["matrix_errors"]
+    assert [(m["method"], m["reason"]) for m in maps] == [
+        ("exact softmax", "the exact matrix of the target"),
+        ("kdeformer", "no attention matrix: its output is not linear in V")]
+
+
 @pytest.mark.parametrize(("arguments", "says"), [
     (["--maps-head", "2"], "--maps-head must be below the 2 heads of the Q/K/V, got 2."),
     (["--maps-head", "-1"], "maps_head (--maps-head) must be a head's index, 0 or more"),
@@ -102,3 +115,21 @@ def test_a_head_without_maps_is_noted_as_changing_nothing(capsys, saved):
                  "--no-memory", "--maps-head", "99"]) == 0
     assert "note: --maps-head changes nothing in this run: only --maps reads it." in \
         capsys.readouterr().err
+
+
+def test_a_target_the_inputs_exclude_is_its_methods_reason_not_an_error(tmp_path):
+    """A causal method on cross-attention inputs (Nq != Nk), where the causal target
+    cannot run: the exact target's matrix was computed outside the method's guard and
+    the command stopped with exit code 2; the method's panel gives the reason."""
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "rect.pt"
+    torch.save({"q": torch.randn(1, 1, 16, 8, generator=g),
+                "k": torch.randn(1, 1, 24, 8, generator=g),
+                "v": torch.randn(1, 1, 24, 8, generator=g)}, path)
+    out_json = tmp_path / "compare.json"
+    assert main(["compare", "--qkv", str(path), "--methods", "softmax[causal=True]",
+                 "softmax", "--repeats", "1", "--no-memory", "--maps",
+                 str(tmp_path / "maps.png"), "--json", str(out_json)]) == 0
+    maps = {m["method"]: m for m in json.loads(out_json.read_text())["maps"]["matrix_errors"]}
+    assert maps["softmax[causal=True]"]["reason"].startswith("softmax: causal=True needs")
+    assert maps["softmax"]["error"] < 1e-5

@@ -57,14 +57,34 @@ def attention_maps(given: MaskedQKV, methods: list[str], num_features: int | Non
     for name in methods:
         spec = get_method(name)
         target = spec.capabilities.target
-        if not spec.capabilities.weights:
-            panels.append(MapPanel(name, target, None, None, reason=(
-                "no attention matrix: its output is not linear in V")))
-            continue
         named = resolve(name)
         options = named.options(num_features)
         try:
             resolved = named.resolved_options(options, one.k.shape[2])
+        except (ValueError, RuntimeError, TypeError) as err:
+            resolved, failure = None, first_line(err)
+        if resolved is not None:  # its target's panel, also beside a method without one
+            # one key a target and its options away from the defaults (causal, a scale)
+            same = {k: v for k, v in target_options(resolved).items()
+                    if v not in (None, False)}
+            key = (target, *sorted(same.items()))
+            if key not in exact:
+                try:  # a target these inputs exclude (causal with Nq != Nk): the reason
+                    with torch.no_grad():
+                        exact[key] = attention_weights(
+                            one.q.double(), one.k.double(), exact_method(target).name,
+                            key_padding_mask=one.key_padding_mask, **same)[0, 0].cpu()
+                except (ValueError, RuntimeError, TypeError) as err:
+                    panels.append(MapPanel(name, target, None, None, reason=first_line(err)))
+                    continue
+        if not spec.capabilities.weights:
+            panels.append(MapPanel(name, target, None, None, reason=(
+                "no attention matrix: its output is not linear in V")))
+            continue
+        if resolved is None:
+            panels.append(MapPanel(name, target, None, None, reason=failure))
+            continue
+        try:
             bound = spec.bind(1, one.q.shape[-1], seq_len=one.k.shape[2], **options)
             generator = torch.Generator(device=one.q.device).manual_seed(seed)
             with torch.no_grad():
@@ -73,14 +93,6 @@ def attention_maps(given: MaskedQKV, methods: list[str], num_features: int | Non
         except (ValueError, RuntimeError, TypeError) as err:
             panels.append(MapPanel(name, target, None, None, reason=first_line(err)))
             continue
-        # the target's options away from its defaults (causal, a scale): one key a target
-        same = {k: v for k, v in target_options(resolved).items() if v not in (None, False)}
-        key = (target, *sorted(same.items()))
-        if key not in exact:
-            with torch.no_grad():
-                exact[key] = attention_weights(
-                    one.q.double(), one.k.double(), exact_method(target).name,
-                    key_padding_mask=one.key_padding_mask, **same)[0, 0].cpu()
         matrix = matrix[0, 0].double().cpu()
         norm = torch.linalg.matrix_norm(exact[key], ord=2)
         error = (torch.linalg.matrix_norm(matrix - exact[key], ord=2) / norm).item()
