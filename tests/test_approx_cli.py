@@ -55,7 +55,6 @@ def test_long_sequences_say_they_concatenate_windows(tmp_path, capsys):
         (["--heads", "first"], "--heads takes integers or 'all'"),
         (["--methods", "nope"], "unknown attention method 'nope'"),
         (["--eps", "2"], "eps must be in (0, 1)"),
-        (["--threads", "0"], "--threads must be at least 1"),
         (["--no-sweep", "--no-analysis"], "nothing to do"),
     ],
 )

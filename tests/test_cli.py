@@ -447,3 +447,13 @@ def test_compare_without_transformers_names_the_extra_and_the_way_without_it(
     err = capsys.readouterr().err
     assert "pip install 'skyformer[hf]' (Q/K/V of your own need no extra: skyformer compare " \
            "--qkv FILE)." in err
+
+
+@pytest.mark.parametrize("command", [["approx"], ["bench"], ["lra", "train"], ["lra", "stability"]])
+def test_threads_below_one_are_refused_by_the_parser(command, capsys):
+    """--threads 0 was checked after parsing, by each command in its own words (lra
+    once its settings were read); argparse refuses it now, as other counts."""
+    with pytest.raises(SystemExit) as stopped:
+        main([*command, "--threads", "0"])
+    assert stopped.value.code == 2
+    assert "argument --threads: must be a positive integer, got 0" in capsys.readouterr().err

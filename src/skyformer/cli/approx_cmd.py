@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checks import positive_int_argument
 from ..eval.approx.progress import (
     PROGRESS_FILE,
     data_changes,
@@ -116,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{d.floor_power_iterations})")
     parser.add_argument("--floor-oversample", type=int, default=None,
                         help=f"oversampling of the rank-m floors (default {d.floor_oversample})")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int_argument, default=None,
                         help="torch CPU threads (default: torch's own choice); on a machine "
                         "busier than its cores, 1 avoids threads spinning on each other")
     parser.add_argument("--out", default="results/approx", metavar="DIR",
@@ -208,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.out, folder=True)
     config = config_from_args(args)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     if not args.no_plots:
         from ..eval.approx.plots import require_matplotlib

@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from ..checks import positive_int_argument
 from ..eval.bench.report import format_table, format_wide, result_path, write_results
 from ..eval.bench.resume import (
     earlier_runs,
@@ -91,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip configurations predicted to take longer per call: from "
                         "the two lengths before, or at least their operations at the measured "
                         f"matmul rate, the first length too (default {d.max_seconds:g})")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int_argument, default=None,
+                        help="torch CPU threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default=d.clock,
                         help="wall time (default) or process CPU time (robust to other load on "
                         "a shared machine; use with --threads 1)")
@@ -226,8 +228,6 @@ def run(args: argparse.Namespace) -> int:
         # fail before the run, not after it, when matplotlib is missing
         require_matplotlib("pass --no-plot")
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.device == "cpu" and torch.get_num_threads() > 1:
         print(f"note: --clock cpu adds the CPU time of all {torch.get_num_threads()} threads, "

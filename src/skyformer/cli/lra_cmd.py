@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from ..checks import positive_int_argument
 from ..io import check_output_path, read_to_resume, refuse_overwriting_inputs
 from ..registry.variants import option_value
 from .recorded import command_line
@@ -153,7 +154,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="steps between writes of last.pt, which --resume continues from "
                    "(default: --eval-every's; it is also written at each new best)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:K")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int_argument, default=None,
                    help="CPU threads per process (shared machines: 1 avoids contention)")
     p.add_argument("--cache", default=None, help="cache root that prepare wrote (default: "
                    "$SKYFORMER_LRA_CACHE or ~/.cache/skyformer/lra)")
@@ -198,7 +199,7 @@ def _stability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=None,
                    help="truncate documents to this many tokens (default: the prepared length)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:K")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int_argument, default=None,
                    help="CPU threads (shared machines: 1 avoids contention)")
     p.add_argument("--cache", default=None, help="cache root that prepare wrote (default: "
                    "$SKYFORMER_LRA_CACHE or ~/.cache/skyformer/lra)")
@@ -236,8 +237,6 @@ def _threads(n: int | None) -> None:
     if n is not None:
         import torch
 
-        if n < 1:
-            raise ValueError(f"--threads must be at least 1, got {n}.")
         torch.set_num_threads(n)
 
 
