@@ -171,7 +171,7 @@ def test_self_attention_only_and_bad_options():
     for options, word in (
         ({"num_features": 0}, "num_features"),
         ({"num_random_blocks": -1}, "num_random_blocks"),
-        ({"scale": 0.0}, "scale"),
+        ({"scale": float("nan")}, "scale"),
     ):
         with pytest.raises(ValueError, match=word):
             bigbird_attention(q, k, v, **options)
@@ -235,3 +235,15 @@ def test_a_context_with_padded_keys_runs_in_multi_head_attention():
     junk[1, 8:] = 1e3
     torch.testing.assert_close(layer(x, mask, context=junk, generator=gen(0)), out)
     assert out.shape == (2, 12, 16) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_a_scale_of_zero_or_below_matches_the_reference(scale):
+    """Any finite scale, as softmax and torch's SDPA take; it was refused."""
+    q, k, v = make_qkv(2, 2, 45, 8)
+    mask = holes_mask(2, 45)
+    fast = bigbird_attention(q, k, v, key_padding_mask=mask, generator=gen(5),
+                             num_features=32, scale=scale)
+    ref = reference_bigbird_attention(q, k, v, layout_for(mask, 2, 2, 45, 32, 5),
+                                      key_padding_mask=mask, scale=scale)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)

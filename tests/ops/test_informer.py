@@ -150,7 +150,7 @@ def test_bad_options():
     for options, word in (
         ({"num_features": 0}, "num_features"),
         ({"factor": 0}, "factor"),
-        ({"scale": -2.0}, "scale"),
+        ({"scale": float("-inf")}, "scale"),
     ):
         with pytest.raises(ValueError, match=word):
             informer_attention(q, k, v, **options)
@@ -167,3 +167,16 @@ def test_budgets_past_int64_are_capped_by_the_sequence(options):
     torch.testing.assert_close(informer_attention(q, k, v, generator=gen(0), **options),
                                informer_attention(q, k, v, generator=gen(0), **capped),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_a_scale_of_zero_or_below_matches_the_reference(scale):
+    """Any finite scale, as softmax and torch's SDPA take (0 weighs the keys alike, a
+    negative one favours the farthest); it was refused."""
+    q, k, v = make_qkv(2, 2, 40, 8)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, :7] = False
+    fast = informer_attention(q, k, v, key_padding_mask=mask, generator=gen(1), scale=scale)
+    ref = reference_informer_attention(q, k, v, samples_for(q, k, v, mask, 1),
+                                       key_padding_mask=mask, scale=scale)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)

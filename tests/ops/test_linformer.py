@@ -152,7 +152,7 @@ def test_bad_projections_and_options():
         ({"num_features": 0}, "num_features"),
         ({"max_seq_len": 0}, "max_seq_len"),
         ({"share_kv": 1}, "share_kv"),
-        ({"scale": 0}, "scale"),
+        ({"scale": float("inf")}, "scale"),
     ):
         with pytest.raises(ValueError, match=word):
             linformer_attention(q, k, v, **options)
@@ -260,3 +260,16 @@ def test_a_non_finite_projection_is_not_hidden(shared, dtype):
     else:
         assert out[:, 0].isnan().all()
         torch.testing.assert_close(out[:, 1], finite[:, 1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_a_scale_of_zero_or_below_matches_the_reference(scale):
+    """Any finite scale, as softmax and torch's SDPA take; it was refused."""
+    q, k, v = make_qkv(2, 2, 20, 8)
+    e = torch.randn(2, 6, 20, generator=gen(1), dtype=torch.float64)
+    f = torch.randn(2, 6, 20, generator=gen(2), dtype=torch.float64)
+    mask = mixed_mask(2, 20)
+    fast = linformer_attention(q, k, v, key_padding_mask=mask, num_features=6, proj_k=e,
+                               proj_v=f, scale=scale)
+    ref = reference_linformer_attention(q, k, v, e, f, key_padding_mask=mask, scale=scale)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)

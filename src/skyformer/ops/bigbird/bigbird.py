@@ -52,7 +52,12 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.masked import masked_attention
-from ..shared.options import MAX_BUDGET, check_budget, check_nonnegative_int, check_scale
+from ..shared.options import (
+    MAX_BUDGET,
+    check_budget,
+    check_finite_scale,
+    check_nonnegative_int,
+)
 from ..shared.real_first import RealFirst, from_real_first, real_first_pair, to_real_first
 
 WINDOW_BLOCKS = 3
@@ -82,7 +87,7 @@ class BigBirdConfig:
         check_budget("bigbird", "num_features", self.num_features)
         check_nonnegative_int("bigbird", "num_random_blocks", self.num_random_blocks)
         self._check_random_blocks_fit()
-        check_scale("bigbird", self.scale)
+        check_finite_scale("bigbird", self.scale)
 
     def _check_random_blocks_fit(self) -> None:
         """r above num_features - 5 would gather 5 + r keys a query, over the budget

@@ -48,7 +48,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.masked import masked_attention
-from ..shared.options import check_optional_positive_int, check_positive_int, check_scale
+from ..shared.options import check_finite_scale, check_optional_positive_int, check_positive_int
 from ..shared.real_first import real_positions_first
 
 _CHUNK_ELEMENTS = 1 << 22  # bound on the [B, H, chunk, U, D] gather of sampled keys
@@ -73,7 +73,7 @@ class InformerConfig:
     def __post_init__(self) -> None:
         check_optional_positive_int("informer", "num_features", self.num_features)
         check_positive_int("informer", "factor", self.factor)
-        check_scale("informer", self.scale)
+        check_finite_scale("informer", self.scale)
 
 
 # floor(e^k) for k = 0, 1, ...: ceil(ln n) is the number of them below n (e^k is

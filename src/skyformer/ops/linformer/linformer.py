@@ -54,9 +54,9 @@ from ..shared.inputs import (
 from ..shared.masked import masked_attention
 from ..shared.options import (
     check_bool,
+    check_finite_scale,
     check_optional_positive_int,
     check_random_features,
-    check_scale,
 )
 
 
@@ -87,7 +87,7 @@ class LinformerConfig:
         check_optional_positive_int("linformer", "max_seq_len", self.max_seq_len)
         check_bool("linformer", "share_kv", self.share_kv)
         check_bool("linformer", "share_heads", self.share_heads)
-        check_scale("linformer", self.scale)
+        check_finite_scale("linformer", self.scale)
 
 
 class LinformerProjections(nn.Module):

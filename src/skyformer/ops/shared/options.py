@@ -73,10 +73,12 @@ def check_scale(method: str, scale: object) -> None:
 
 
 def check_finite_scale(method: str, scale: object) -> None:
-    """Exact softmax's logit scale: any finite number, as ``scaled_dot_product_attention``
-    takes (0 weighs the visible keys alike; a negative one favours the farthest), or
-    ``None`` for 1/sqrt(head dim). The kernel methods need a positive one
-    (``check_scale``): their Gaussian or random features are not defined otherwise."""
+    """A softmax logit scale (exact softmax, and the methods that form softmax weights of
+    the scores themselves: Linformer, Informer, BigBird): any finite number, as
+    ``scaled_dot_product_attention`` takes (0 weighs the visible keys alike; a negative
+    one favours the farthest), or ``None`` for 1/sqrt(head dim). The kernel and feature
+    methods need a positive one (``check_scale``): their Gaussian or random features,
+    and the norms their expansions rest on, are not defined otherwise."""
     if scale is not None and not _is_number(scale):
         raise ValueError(
             f"{method}: scale must be a finite number (the factor of the scores) or None "
