@@ -70,7 +70,7 @@ def refuse_to_replace_an_interrupted_run(path: Path) -> None:
         return  # no file, or not one of bench's: written over as before
     if not (is_bench_result(earlier) and earlier.get("complete") is False):
         return
-    lengths = sorted({row.get("n") for row in earlier["rows"] if isinstance(row.get("n"), int)})
+    lengths = _measured_lengths(earlier)
     measured = f"N = {', '.join(map(str, lengths))} measured" if lengths else "nothing measured"
     raise ValueError(f"{path} holds a run that stopped before its end ({measured}): pass "
                      f"--resume to continue it, or remove it (or give another --out) to start "
@@ -87,10 +87,15 @@ def replacing_a_finished_run(path: Path) -> str | None:
         return None
     if not (is_bench_result(earlier) and earlier.get("complete") is not False):
         return None
-    lengths = sorted({row.get("n") for row in earlier["rows"] if isinstance(row.get("n"), int)})
+    lengths = _measured_lengths(earlier)
     held = f"N = {', '.join(map(str, lengths))}" if lengths else "no rows"
     return (f"note: replacing {path} (a finished run, {held}); --resume adds to it "
             f"instead, another --out keeps it.")
+
+
+def _measured_lengths(earlier: dict[str, Any]) -> list[int]:
+    """The sequence lengths an earlier result file holds rows of, in order."""
+    return sorted({row.get("n") for row in earlier["rows"] if isinstance(row.get("n"), int)})
 
 
 def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
