@@ -51,6 +51,14 @@ def test_a_short_runs_hours_and_memory_keep_their_digits(tmp_path):
     assert time_row == "| softmax | 0.0028 | 0.00098 |"
 
 
+def test_a_one_second_run_keeps_positional_notation(tmp_path):
+    """Two significant digits by ``.2g`` printed 2.8e-04 hours for a one-second run."""
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.36, seconds=1.0, memory=2**10)
+    time_row = [line for line in tables(collect_runs([tmp_path])).splitlines()
+                if line.startswith("| softmax |")][1]
+    assert time_row == "| softmax | 0.00028 | 0.00000095 |"
+
+
 def test_synthetic_and_short_runs_are_flagged(tmp_path):
     _fake_run(tmp_path, "pathfinder", "softmax", 0, 0.7, synthetic_data=True)
     _fake_run(tmp_path, "text", "softmax", 0, 0.5, dev_is_test=True)

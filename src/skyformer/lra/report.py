@@ -328,11 +328,14 @@ def _cell(values: list[float], scale: float = 1.0, digits: int = 2, spread: bool
 
 def _amount_cell(values: list[float]) -> str:
     """The mean of Table 2's hours or GiB: three decimals, two significant digits below
-    0.01 (a short run's 0.0028 hours, not 0.000)."""
+    0.01 (a short run's 0.0028 hours, not 0.000), in positional notation throughout
+    (a second's 0.00028 hours, not 2.8e-04)."""
     if not values:
         return "-"
     mean = statistics.fmean(values)
-    return f"{mean:.3f}" if mean >= 0.01 or mean == 0 else f"{mean:.2g}"
+    if not 0 < mean < 0.01:  # NaN, where a run recorded none, too
+        return f"{mean:.3f}"
+    return f"{mean:.{1 - math.floor(math.log10(mean))}f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
