@@ -63,6 +63,26 @@ def test_fast_matches_naive_lifted_reference(pinv, init, masked):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("nq", [26, 19])  # self- and cross-attention
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_a_batch_element_without_keys_is_zero_in_both_paths(method, nq):
+    """The naive reference stopped at an empty sub-sampling matrix where a batch
+    element's mask keeps no key; both paths give its rows zero."""
+    from skyformer.ops.nystrom_softmax.naive import reference_nystrom_softmax_attention
+
+    q, k, v = make_qkv(2, 2, 26, 8)
+    q = q[:, :, :nq]
+    mask = torch.ones(2, 26, dtype=torch.bool)
+    mask[1] = False
+    fast = skyformer.attention(q, k, v, method, key_padding_mask=mask, generator=gen(3),
+                               num_features=12)
+    reference = {"skyformer": reference_skyformer_attention,
+                 "nystrom_softmax": reference_nystrom_softmax_attention}[method]
+    ref = reference(q, k, v, landmarks_for(q, k, v, mask, 12, 3), key_padding_mask=mask)
+    assert fast[1].eq(0).all()
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_implicit_option_matches_the_naive_reference_at_its_steps(masked):
     """``pinv_gradient="implicit"``: the naive reference takes the exact ridge inverse

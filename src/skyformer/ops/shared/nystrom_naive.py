@@ -108,13 +108,16 @@ def naive_modified_nystrom(
     """Eqs. (4)-(6) per batch element on the inputs scaled by ``scale``: C~ V, or with
     ``softmax_threshold`` the row-normalised D~^-1 A~ V, A~ = E_Q C~ E_K (rows whose
     normaliser D~_i <= threshold * sum_s C(q_i, x_s) |(W C(X_S, K) E_K 1)_s| return the
-    mean of the values). ``[B, H, Nq, Dv]``; rows of padded queries are zero."""
+    mean of the values). ``[B, H, Nq, Dv]``; rows of padded queries, and every row of a
+    batch element with no key, are zero."""
     nq, nk = q.shape[2], k.shape[2]
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
     q_mask = key_padding_mask if (key_padding_mask is not None and nq == nk) else None
     for b in range(q.shape[0]):
         q_rows = _valid_rows(q_mask, b, nq, q.device)
         k_rows = _valid_rows(key_padding_mask, b, nk, k.device)
+        if len(k_rows) == 0:  # no key: a sum over none, zero rows as the fast path gives
+            continue
         c_qx, w, c_xk = reference_lifted_factors(
             q * scale, k * scale, landmarks, b, q_rows, k_rows, options
         )
