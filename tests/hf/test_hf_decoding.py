@@ -535,6 +535,46 @@ def test_a_step_refused_before_any_layer_took_it_is_undone():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize(("method", "options"), [("performer", {"num_features": 16}),
+                                                 ("skyformer", {"num_features": 8,
+                                                                "landmark_stride": 4})])
+def test_a_llama_decodes_under_autocast_as_its_forward(method, options):
+    """Llama's rotary embedding hands the attention float32 q and k beside autocast's
+    bfloat16 v: the forward casts them, and a decoding step refused them at the
+    prompt. Each step's logits are the full forward's under autocast."""
+    model = _llama()
+    shf.set_attention(model, method, seed=0, **options)
+    ids, _ = _prompt()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(ids[:, :13]).logits
+        cache = shf.DecodingCache(model)
+        prompt = model(ids[:, :10], cache=cache).logits
+        steps = [model(ids[:, i:i + 1], cache=cache).logits for i in range(10, 13)]
+    torch.testing.assert_close(torch.cat([prompt, *steps], dim=1), full, rtol=0.05, atol=0.05)
+
+
+@torch.no_grad()
+def test_a_step_the_state_refuses_in_the_first_layer_is_undone():
+    """A step whose dtype the first layer's state refuses (autocast on after a float32
+    prompt) changes nothing, as the state promises: the cache took the step as
+    failed after some layers had taken it, refused every later one and named
+    new_decoding_state, which a model's caller never calls."""
+    model = _gpt2()
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    ids, _ = _prompt()
+    cache = shf.DecodingCache(model)
+    full = model(ids[:, :11]).logits
+    model(ids[:, :10], cache=cache)
+    refused = pytest.raises(ValueError, match=r"torch.bfloat16.*start a new one "
+                                              r"\(DecodingCache\(model\), or cache.reset\(\)\)")
+    with refused, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids[:, 10:11], cache=cache)
+    assert [layer.seen for layer in cache.layers] == [10, 10]
+    torch.testing.assert_close(model(ids[:, 10:11], cache=cache).logits, full[:, 10:],
+                               rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_a_step_that_stopped_between_layers_stops_the_cache(monkeypatch):
     """An error in the model after layer 0's attention took the step (here in its MLP)
     leaves layer 1 a step behind: the next step is refused instead of decoding layer 1

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
 from ..linalg.tracing import may_read_values
 from ..ops.shared.inputs import resolve_key
+from ..registry.autocast import autocast_rule
 from ..registry.guard import zero_padding
 
 
@@ -40,6 +42,9 @@ class DecodingState(ABC):
     """
 
     batched: tuple[str, ...] = ()
+    # how the caller makes a new state, named where a step does not fit this one
+    # (None: ``layer.new_cache()`` for a layer's cache, else ``new_decoding_state``)
+    restart_advice: str | None = None
 
     def __init__(self, method: str, generator: torch.Generator | Tensor | None = None) -> None:
         self.method = method
@@ -75,7 +80,9 @@ class DecodingState(ABC):
             key_valid: ``[B, n]`` bool, True = real token (padding, e.g. of a left-padded
                 prompt); ``None`` = all real. A padded position's output row is zero.
         Returns:
-            ``[B, H, n, Dv]`` in the dtype of ``q``. As in the forward
+            ``[B, H, n, Dv]`` in the dtype of ``q`` (under ``torch.autocast``, q, k and v
+            are cast to its dtype first and the step runs with autocast off, as the
+            method's forward does: ``registry/autocast.py``). As in the forward
             (``registry/guard.py``): whatever padded positions hold changes no output,
             and the real rows that a non-finite real input reaches are NaN (its own row
             for a query, every row from its position on for a key or value).
@@ -84,10 +91,14 @@ class DecodingState(ABC):
         tensors, never write into them, so the attributes before the step are kept by
         reference), with the random key it drew: the step can be given again.
         """
+        precision = nullcontext()
+        if isinstance(q, Tensor) and q.is_floating_point():  # a model's float32 rotary
+            q, k, v, precision = autocast_rule(q, k, v)  # q, k beside autocast's v
         self._check(q, k, v, key_valid)
         before = dict(vars(self))
         try:
-            return self._step(q, k, v, key_valid)
+            with precision:
+                return self._step(q, k, v, key_valid)
         except BaseException:
             key = self.key
             vars(self).clear()
@@ -170,8 +181,9 @@ class DecodingState(ABC):
         if self.length and layout is not None and _layout(q, v) != layout:
             h, d, dv, dtype, device = layout
             # a layer's cache (MultiHeadAttention.new_cache) holds the layer's token
-            fresh = "layer.new_cache()" if getattr(self, "layer", None) is not None \
-                else "new_decoding_state(...)"
+            fresh = self.restart_advice or (
+                "layer.new_cache()" if getattr(self, "layer", None) is not None
+                else "new_decoding_state(...)")
             cause = (" (a dtype that changes between steps is most often autocast on for "
                      "some steps and off for others, or a layer moved with .to())"
                      if dtype != q.dtype else "")

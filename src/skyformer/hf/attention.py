@@ -515,6 +515,7 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
                 state=module._modules.get(STATE_NAME))
         except CapabilityError as err:
             raise CapabilityError(f"{where}: {err}") from None
+        decoding.state.restart_advice = "DecodingCache(model), or cache.reset()"
     key, value = _keys_for_call(module, key, value)
     if key_valid is not None:
         key_valid = key_valid.to(query.device)

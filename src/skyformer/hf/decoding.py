@@ -123,8 +123,10 @@ class DecodingLayer(CacheLayerMixin):
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         """The decoding state's step (``DecodingState.step``); while recording, first
         keep the state as it is (a shallow copy: steps replace tensors, never write
-        into them) and the step's inputs (put back as they were if the step fails)."""
-        self._take()
+        into them) and the step's inputs (put back as they were if the step fails).
+        The layer takes the step's positions once the state has: a step the state
+        refuses or fails leaves it as it was (``fail`` then undoes the step where no
+        other layer took it)."""
         rollback = self.rollback
         if self.record_past:
             self.rollback = (copy.copy(self.state), q, k, v, key_valid)
@@ -133,6 +135,7 @@ class DecodingLayer(CacheLayerMixin):
         except BaseException:
             self.rollback = rollback
             raise
+        self._take()
         self._record_valid(key_valid, q.shape[0], k.shape[2])
         return out
 
