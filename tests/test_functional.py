@@ -967,6 +967,23 @@ def test_max_seqlen_of_empty_sequences_and_a_negative_one():
         sdpa(*make_qkv(1, 2, 4, 8), cu_seqlens=torch.tensor([0, 4]), max_seqlen=-1)
 
 
+@pytest.mark.parametrize("method", ["linear", "softmax"])
+def test_packed_sequences_without_keys_warn_of_no_mask(method):
+    """Packed sequences with no key at all warned that a key_padding_mask (the one made
+    from cu_seqlens, not the caller's) was False everywhere, in torch's convention."""
+    q = make_qkv(1, 2, 6, 4)[0]
+    empty = q[:, :, :0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sdpa(empty, empty, empty, cu_seqlens=torch.tensor([0, 0, 0]), method=method)
+        assert out.shape == (1, 2, 0, 4)
+        out = sdpa(q, empty, empty, cu_seqlens=torch.tensor([0, 2, 6]), method=method,
+                   cu_seqlens_k=torch.tensor([0, 0, 0]))
+        assert out.shape == (1, 2, 6, 4) and not out.any()
+    with pytest.warns(UserWarning, match="key_padding_mask is False everywhere"):
+        sdpa(q, q, q, method=method, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool))
+
+
 def test_a_compiled_packed_call_checks_the_lengths_on_the_device():
     """Traced, the lengths cannot be read on the host: a max_seqlen shorter than a
     sequence ran that sequence into the next one's slots, silently."""

@@ -131,10 +131,24 @@ def scaled_dot_product_attention(
         raise ValueError(f"{spec.name}: {packed} {verbs[0]} to packed sequences and "
                          f"{verbs[1]} cu_seqlens, the queries' cumulative lengths; pass "
                          f"cu_seqlens too, or leave {packed} out.")
+    return _padded_call(spec, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                        enable_gqa, key_padding_mask, query_padding_mask, generator, options)
+
+
+def _padded_call(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: Any,
+                 dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+                 key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+                 generator: Any, options: dict[str, Any], *, callers_mask: bool = True
+                 ) -> Tensor:
+    """``scaled_dot_product_attention`` of a padded batch, its arguments checked;
+    ``callers_mask=False``: ``key_padding_mask`` is the library's own (the packed
+    sequences'), so a mask with no real key is no sign of a mask given in torch's
+    convention."""
     _check_layout(spec.name, query, key, value)
     query, key, value = _shared_batch(query, key, value)
     key, value = _grouped(spec.name, query, key, value, enable_gqa)
-    warn_if_no_real_key(spec.name, key_padding_mask, key)  # the caller's, not attn_mask's
+    if callers_mask:  # the caller's, not attn_mask's
+        warn_if_no_real_key(spec.name, key_padding_mask, key)
     if is_causal and query.shape[-2] != key.shape[-2]:
         attn_mask = _top_left_causal(spec, attn_mask, query, key)
         is_causal = False
@@ -524,8 +538,6 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
     # one mask object for self-attention: the methods read two (equal) masks as
     # cross-attention (KDEformer's and Scatterbrain's LSH blocks, the causal chunks)
     query_valid = "auto" if cu_seqlens_k is None else q_valid
-    out = scaled_dot_product_attention(
-        q, k, v, None, dropout_p, is_causal, scale, enable_gqa, method=spec.name,
-        key_padding_mask=k_valid, query_padding_mask=query_valid, generator=generator,
-        **options)
+    out = _padded_call(spec, q, k, v, None, dropout_p, is_causal, scale, enable_gqa, k_valid,
+                       query_valid, generator, options, callers_mask=False)
     return pack(out, cu_seqlens, query.shape[2])
