@@ -260,7 +260,8 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         ``TransformerEncoderLayer`` passes key_padding_mask by keyword beside three
         positional tensors, which Python refuses before this method runs). Returns
         ``[B, N, dim]`` (zeros through the output projection where B, N or the
-        context's M is 0, without calling the method).
+        context's M is 0, without calling the method; with a ``process_group`` such a
+        call is refused on every rank: each rank's shard needs a row).
         """
         with self._failing_together():  # a rank refused alone would leave the others waiting
             _refuse_torch_call(torch_arguments, torch_keywords)
@@ -530,14 +531,26 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
 
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
                            generator: Any) -> Tensor:
-        """Attention of this rank's shard of the sequence (``process_group``)."""
+        """Attention of this rank's shard of the sequence (``process_group``). A call that
+        fails puts the method state's buffers back (Performer's call count, redraws and
+        features): a rank that refused its input alone counted nothing, so the others,
+        which raise at the exchange, must not count it either, or their features would
+        be redrawn at other calls from then on."""
         from .distributed import run_sequence_parallel
 
-        with self._failing_together():
-            state = self.method_state(q, k) if self.method_state is not None else {}
-        return run_sequence_parallel(self.bound, q, k, v, group=self.process_group,
-                                     key_padding_mask=key_padding_mask, generator=generator,
-                                     **state)  # [B, H, N_r, Dh]
+        kept = {} if self.method_state is None else {
+            name: buffer.clone() for name, buffer in self.method_state.named_buffers()}
+        try:
+            with self._failing_together():
+                state = self.method_state(q, k) if self.method_state is not None else {}
+            return run_sequence_parallel(self.bound, q, k, v, group=self.process_group,
+                                         key_padding_mask=key_padding_mask,
+                                         generator=generator, **state)  # [B, H, N_r, Dh]
+        except BaseException:
+            with torch.no_grad():
+                for name, buffer in self.method_state.named_buffers() if kept else ():
+                    buffer.copy_(kept[name])
+            raise
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.bound.options().items())

@@ -29,6 +29,7 @@ from skyformer.distributed import (
     sequence_parallel_attention,
     sum_gradients,
 )
+from skyformer.distributed import landmarks as shard_landmarks
 from skyformer.distributed.landmarks import draw_landmarks
 from skyformer.distributed.layout import agree_layout
 from skyformer.ops.shared.inputs import check_attention_inputs
@@ -281,15 +282,18 @@ def check_errors(rank: int, world: int) -> None:
     if rank != 0:  # it said "group must be a ... process group, got int -100"
         raises("linear (sequence parallel): this process is not a member of the process "
                "group it was given", q, k, v, "linear", group=first)
-    seen = []  # the products run on the kernel asked for, as in one process
-    original = forms.skyformer_from_core
+    seen, drawn = [], []  # the products and the draw run as asked, as in one process
+    original, draw = forms.skyformer_from_core, shard_landmarks.stream_selection_keys
     forms.skyformer_from_core = lambda *a, **kw: seen.append(kw.get("kernel")) or original(
         *a, **kw)
+    shard_landmarks.stream_selection_keys = lambda *a, **kw: drawn.append(
+        kw.get("draw")) or draw(*a, **kw)
     try:
         sequence_parallel_attention(q, k, v, "skyformer", num_features=4, kernel="torch")
     finally:
         forms.skyformer_from_core = original
-    assert seen == ["torch"], seen
+        shard_landmarks.stream_selection_keys = draw
+    assert seen == ["torch"] and drawn == ["torch", "torch"], (seen, drawn)
     for variant, method, options in (("linear[eps=0.0]", "linear", {"eps": 0.0}),
                                      ("skyformer[num_features=4]", "skyformer",
                                       {"num_features": 4})):  # as the method with options
@@ -441,9 +445,27 @@ def check_gradients_recorded_on_some_ranks(rank: int, world: int) -> None:
 def check_performer_layer(rank: int, world: int) -> None:
     """A sequence-parallel Performer layer uses its own features, as on one process:
     it draws nothing from the global generator, and a non-finite feature marks every
-    real row; causal too."""
+    real row; causal too. A call refused on one rank is counted on none."""
     for causal in (False, True):
         _check_performer_layer(rank, world, causal)
+    _check_a_refused_call_counts_nowhere(rank, world)
+
+
+def _check_a_refused_call_counts_nowhere(rank: int, world: int) -> None:
+    """The other ranks counted a call that one rank refused (they raise at the
+    exchange, after counting): with a redraw every 2 calls, the ranks' features then
+    differed at every other call."""
+    torch.manual_seed(0)
+    layer = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4,
+                                         feature_redraw_interval=2,
+                                         process_group=dist.group.WORLD).double().train()
+    x = torch.randn(1, 4, 8, dtype=torch.float64) + rank  # each rank its own shard
+    layer(x)
+    bad = x.float() if rank == world - 1 else x
+    assert _outcome(lambda: layer(bad)) != "ok"
+    assert int(layer.method_state.calls_since_redraw) == 1
+    for _ in range(4):  # through two redraws, alike on every rank
+        layer(x)
 
 
 def _check_performer_layer(rank: int, world: int, causal: bool) -> None:

@@ -54,7 +54,8 @@ def _nystrom_core(q: Tensor, k: Tensor, scale: float, config: NystromOptions,
                   info: AttentionInputs, layout: ShardLayout) -> NystromCore:
     """Landmarks of the whole sequence, their rows shared, W computed here."""
     landmarks, q_local, k_local = draw_landmarks(
-        config.num_features, layout, info.key_valid, info.batch, info.key_len)
+        config.num_features, layout, info.key_valid, info.batch, info.key_len,
+        draw=config.kernel)
     return core_from_rows(landmark_rows(q, k, q_local, k_local, scale, layout), config, landmarks)
 
 

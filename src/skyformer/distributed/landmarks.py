@@ -37,12 +37,15 @@ _NO_CANDIDATE = torch.iinfo(torch.long).max  # pads a shard shorter than the cou
 
 
 def draw_landmarks(
-    num_features: int, layout: ShardLayout, valid: Tensor | None, batch: int, n: int,
+    num_features: int, layout: ShardLayout, valid: Tensor | None, batch: int, n: int, *,
+    draw: str = "auto",
 ) -> tuple[Landmarks, Tensor, Tensor]:
     """The landmarks of the whole sequence (module docstring).
 
     Args:
         valid: this shard's mask ``[B, n]`` (True = real row) or None.
+        draw: how the selection keys are computed (the method's ``kernel`` option,
+            ``sketch.landmarks.use_triton_draw``); the landmarks are the same.
     Returns:
         ``(landmarks, query_local, key_local)``: landmarks with sequence positions (as
         ``uniform_landmarks`` returns for the whole sequence), and for each landmark slot
@@ -53,7 +56,8 @@ def draw_landmarks(
     for name, count in zip((QUERY_STREAM, KEY_STREAM), counts, strict=True):
         shard_keys = stream_selection_keys(layout.key, name, valid, batch, n,
                                            valid_before=layout.valid_before,
-                                           rows_before=layout.rows_before)  # [B, n]
+                                           rows_before=layout.rows_before,
+                                           draw=draw)  # [B, n]
         index, picked = smallest_keys(shard_keys, count)  # [B, min(count, n)]
         none = index.new_full((batch, count - index.shape[1]), -1)  # [B, count - c]
         keys.append(torch.cat([picked, torch.full_like(none, _NO_CANDIDATE)], 1))
