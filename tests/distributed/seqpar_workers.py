@@ -26,6 +26,7 @@ from skyformer.distributed import (
     count_communication,
     destroy_process_group,
     forms,
+    run_sequence_parallel,
     sequence_parallel_attention,
     sum_gradients,
 )
@@ -384,6 +385,9 @@ def check_one_rank_fails(rank: int, world: int) -> None:
         expected = fragment if bad else f"rank(s) [{world - 1}] of the group rejected"
         assert expected in said, (rank, fragment, said)
     assert _outcome(lambda: sequence_parallel_attention(q, k, v, "linear")) == "ok"
+    # the bound method's form takes the same defaults (the default group, no mask)
+    assert torch.equal(run_sequence_parallel(skyformer.get_method("linear").bind(), q, k, v),
+                       sequence_parallel_attention(q, k, v, "linear"))
 
 
 def check_ranks_disagree(rank: int, world: int) -> None:

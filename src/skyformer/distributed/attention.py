@@ -73,9 +73,9 @@ def sequence_parallel_attention(
 
 
 def run_sequence_parallel(
-    bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, *, group: Any,
-    key_padding_mask: Tensor | None, generator: torch.Generator | Tensor | None,
-    **state_arguments: Any,
+    bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, *, group: Any = None,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | Tensor | None = None, **state_arguments: Any,
 ) -> Tensor:
     """``sequence_parallel_attention`` for a bound method (``MultiHeadAttention`` calls
     this); ``state_arguments`` from the layer's method state (e.g. Performer's features),
