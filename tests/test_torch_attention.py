@@ -236,6 +236,18 @@ def test_refused_calls_get_sentences(method, call, match):
         layer(x, x, x, need_weights=False, **call)
 
 
+def test_an_unbatched_calls_padding_mask_of_the_wrong_length_gets_its_own_shape():
+    """The sentence asked for [1, S], which an unbatched call then refused as 2-D."""
+    _, layer = pair("softmax")
+    x = rand(L, E)
+    with pytest.raises(ValueError, match=rf"key_padding_mask must have shape \[{L}\], got "
+                                         rf"\[{L + 1}\]"):
+        layer(x, x, x, key_padding_mask=torch.zeros(L + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=rf"attn_mask must have shape \[{L}, {L}\] or "
+                                         rf"\[{H}, {L}, {L}\]"):
+        layer(x, x, x, attn_mask=torch.zeros(L, L + 1, dtype=torch.bool))
+
+
 def test_refused_configurations_get_sentences():
     with pytest.raises(CapabilityError, match=r"add_zero_attn appends keys.*bigbird cannot "
                                               r"attend \(self-attention only\).*softmax"):

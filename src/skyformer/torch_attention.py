@@ -271,7 +271,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                 key_padding_mask = key_padding_mask[None]
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        self._check_shapes(query, key, value, key_padding_mask, attn_mask)
+        self._check_shapes(query, key, value, key_padding_mask, attn_mask, batched)
         # torch runs SDPA with the hint alone where it may, else the mask (the exact methods
         # follow it; the approximate ones take the hint always)
         hint_alone = is_causal and key_padding_mask is None and not need_weights
@@ -518,10 +518,12 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                 f"{tuple(value.shape)}, laid out {layout}.")
 
     def _check_shapes(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
-                      attn_mask: Any) -> None:
+                      attn_mask: Any, batched: bool = True) -> None:
         """A sentence for batch-first inputs or masks of the wrong width, length, batch or
         dtype: ``query: [B, L, E]``, ``key: [B, S, kdim]``, ``value: [B, S, vdim]``,
-        ``key_padding_mask: [B, S]``, ``attn_mask: [L, S]`` or ``[B * H, L, S]``."""
+        ``key_padding_mask: [B, S]``, ``attn_mask: [L, S]`` or ``[B * H, L, S]``.
+        ``batched=False``: one sequence, given with B = 1 added to it and to
+        ``key_padding_mask``, whose sentence names the ``[S]`` that the caller passes."""
         weight = self.out_proj.weight
         for name, t, width, option in (("query", query, self.embed_dim, "embed_dim"),
                                        ("key", key, self.kdim, "kdim"),
@@ -538,9 +540,12 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                   "attn_mask": [(lq, lk), (b * self.num_heads, lq, lk)]}
         for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if mask is not None and tuple(mask.shape) not in shapes[name]:
+                expected, got = shapes[name], tuple(mask.shape)
+                if not batched and name == "key_padding_mask":  # as passed: without B
+                    expected, got = [shape[1:] for shape in expected], got[1:]
                 raise ValueError(f"{NAME}: {name} must have shape "
-                                 f"{' or '.join(str(list(s)) for s in shapes[name])}, got "
-                                 f"{list(mask.shape)} (torch.nn.MultiheadAttention's shapes).")
+                                 f"{' or '.join(str(list(s)) for s in expected)}, got "
+                                 f"{list(got)} (torch.nn.MultiheadAttention's shapes).")
             if mask is not None and mask.device != query.device:
                 raise ValueError(f"{NAME}: {name} is on {mask.device} but the inputs are on "
                                  f"{query.device}; pass {name}.to(query.device).")
