@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -155,13 +156,24 @@ def is_skyformer_implementation(implementation: str | None) -> bool:
 # and install their own, so the first calls ran with states the model then dropped.
 _MAKING = threading.Lock()
 
+# The configs that set_attention switched (by id; the configs weakly held): a layer
+# without a setting under them runs exact attention by the caller's choice (the other
+# part of an encoder-decoder one of whose parts was set), not from a bare "skyformer".
+_SET_CONFIGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def note_set_config(config: Any) -> None:
+    """Record that ``set_attention`` gave ``config``'s model its settings."""
+    _SET_CONFIGS[id(config)] = config
+
 
 def _layer_for(module: nn.Module, implementation: str, default_method: str) -> LayerAttention:
     layer = current_layer(module)
     if layer is not None and layer.implementation == implementation:
         return layer
     if layer is None and default_method == EXACT:  # nothing to make or clear
-        if implementation == PER_LAYER and not torch.compiler.is_compiling():
+        if implementation == PER_LAYER and not torch.compiler.is_compiling() \
+                and _SET_CONFIGS.get(id(getattr(module, "config", None))) is None:
             _warn_never_set(module)
         return _EXACT_LAYER
     if torch.compiler.is_compiling():  # traced once, on one thread
