@@ -1001,6 +1001,15 @@ def test_from_pretrained_names_model_kwargs_for_the_loaders_keywords(tmp_path, m
     with pytest.raises(ValueError, match=r"^performer has no option 'num_feature' \(did you "
                                          r"mean 'num_features'\?\); its options are"):
         shf.from_pretrained(tmp_path, "performer", num_feature=3)
+    # arguments of the entry points themselves: model_kwargs was the wrong advice
+    for method in ("performer", "exact"):
+        with pytest.raises(ValueError, match=r"no argument 'layer' \(did you mean 'layers'"):
+            shf.from_pretrained(tmp_path, method, layer=[0])
+        with pytest.raises(ValueError, match=r"pass the method instead \(method='exact'"):
+            shf.from_pretrained(tmp_path, method, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"^skyformer.hf.set_attention has no argument "
+                                         r"'seeds' \(did you mean 'seed'\?\)"):
+        shf.set_attention(tiny_bert(), "performer", seeds=0)
 
 
 @pytest.mark.filterwarnings("ignore:.*makes its trainable parameters")
