@@ -253,6 +253,17 @@ def test_dropout_in_training():
     torch.testing.assert_close(call("kernelized", 0.5), plain)
 
 
+def test_a_module_inside_a_model_is_refused_with_the_call_that_works():
+    """BERT's encoder holds the config but cannot switch it: an AttributeError, after a
+    key was left on the module."""
+    model = tiny_bert()
+    with pytest.raises(TypeError, match=r"BertEncoder holds a transformers config.*pass the "
+                                        r"whole model, with layers=\[\.\.\.\]"):
+        shf.set_attention(model.encoder, "performer")
+    assert not [key for key in vars(model.encoder) if key.startswith("_skyformer")]
+    assert {row["method"] for row in shf.describe(model)} == {"exact (sdpa)"}
+
+
 def test_refused_keyword_arguments():
     """A sliding window is in the mask transformers builds (as for SDPA): the methods that
     take any mask honour it, the others refuse it; soft-capping no method applies."""

@@ -158,6 +158,7 @@ def set_attention(
         refuse_misnamed_arguments(get_method(name), options, "skyformer.hf.set_attention",
                                   set_attention)
     current = _implementation(model)
+    _refuse_inner_module(model)
     modules, chosen = _select(model, layers)
     if not is_skyformer_implementation(current):
         model.__dict__[_ORIGINAL] = current
@@ -241,6 +242,18 @@ def _one_part(model: nn.Module, modules: list) -> bool:
     encoder = any(not c and not getattr(module, "is_causal", False)
                   for c, (_, _, module) in zip(cross, modules, strict=True))
     return not (any(cross) and encoder)
+
+
+def _refuse_inner_module(model: nn.Module) -> None:
+    """A sentence for a module inside a model that holds its config but cannot switch
+    its attention (BERT's ``model.encoder``): the switch failed with an AttributeError
+    after a key was left on it."""
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        raise TypeError(
+            f"{type(model).__name__} holds a transformers config but is no model whose "
+            f"attention can be switched (it has no set_attn_implementation); pass the "
+            f"whole model, with layers=[...] for some of its layers (or an encoder-decoder's "
+            f"model.get_encoder() / get_decoder()).")
 
 
 def _switch(model: nn.Module, implementation: str) -> None:
