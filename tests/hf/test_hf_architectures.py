@@ -1300,6 +1300,26 @@ def test_describe_shows_a_decoder_layer_as_causal():
         assert {row["options"]["landmark_stride"] for row in rows} == {4 if decoder else None}
 
 
+def test_describe_shows_the_scale_of_a_model_that_prescales_its_queries():
+    """OPT multiplies its queries by 1/sqrt(head dim) itself and calls with scaling 1.0,
+    which every call passes as scale: describe said scale None (1/sqrt(head dim))."""
+    from tests.hf.test_hf_architecture_matrix import build
+
+    for route in ("set_attention", "attn_implementation"):
+        model = build("opt")
+        if route == "set_attention":
+            shf.set_attention(model, "performer", num_features=8, seed=0)
+        else:
+            model.set_attn_implementation("skyformer:performer")
+        assert {row["options"]["scale"] for row in shf.describe(model)} == {1.0}, route
+    model = build("opt")
+    shf.set_attention(model, "performer", num_features=8, scale=0.5)  # the user's wins
+    assert {row["options"]["scale"] for row in shf.describe(model)} == {0.5}
+    model = tiny_bert()  # 1/sqrt(head dim): the default, None
+    shf.set_attention(model, "performer", num_features=8)
+    assert {row["options"]["scale"] for row in shf.describe(model)} == {None}
+
+
 @torch.no_grad()
 def test_the_causal_forms_options_serve_the_causal_layers_only():
     """set_attention's options apply to every layer; landmark_stride (which a call that

@@ -51,8 +51,11 @@ from .layers import (
     clear_layer,
     current_layer,
     first_forward_options,
+    heads_and_dim,
     install_layer,
     is_cross_attention,
+    is_default_scaling,
+    model_scaling,
     resolve_method_name,
     under,
 )
@@ -244,6 +247,20 @@ def _one_part(model: nn.Module, modules: list) -> bool:
     return not (any(cross) and encoder)
 
 
+def _with_model_scale(module: nn.Module, method: str, options: dict[str, Any],
+                      explicit: Iterable[str]) -> dict[str, Any]:
+    """``options`` with the logit scale each call passes (``attention._call_options``):
+    the model's own where it is not 1/sqrt(head dim) (OPT's prescaled queries: 1.0) and
+    neither the user nor the variant set one."""
+    if options.get("scale") is not None or "scale" not in options or "scale" in explicit:
+        return options
+    scaling, (_, head_dim) = model_scaling(module), heads_and_dim(module)
+    if scaling is None or head_dim is None or is_default_scaling(scaling, head_dim) \
+            or "scale" in dict(get_method(method).preset):
+        return options
+    return {**options, "scale": float(scaling)}
+
+
 def _refuse_inner_module(model: nn.Module) -> None:
     """A sentence for a module inside a model that holds its config but cannot switch
     its attention (BERT's ``model.encoder``): the switch failed with an AttributeError
@@ -301,10 +318,12 @@ def describe(model: nn.Module) -> list[dict[str, Any]]:
         layer = current_layer(module)
         if layer is not None and layer.implementation == implementation:
             method, options, seed = layer.method, layer.options(), layer.seed
+            options = _with_model_scale(module, method, options, layer.explicit)
         elif is_skyformer_implementation(implementation) and implementation != PER_LAYER:
             # the attn_implementation route: set up when it runs
             method, seed = implementation.removeprefix(PREFIX), None
-            options = first_forward_options(module, method)
+            options = _with_model_scale(module, method, first_forward_options(module, method),
+                                        ())
         elif implementation == PER_LAYER:
             method, options, seed = EXACT, {}, None
         else:
