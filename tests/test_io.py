@@ -203,6 +203,55 @@ def test_a_built_folder_is_flushed_to_disk_before_it_is_renamed(tmp_path, monkey
 
 
 
+def test_a_built_folder_keeps_a_link_and_refuses_a_file_at_its_name(tmp_path):
+    """A file at the folder's name was set aside as a hidden .old entry that no later
+    build removed; a link to a folder elsewhere (a bigger disk) was replaced by a folder
+    here."""
+    from skyformer.io import building_folder
+
+    notes = tmp_path / "listops"
+    notes.write_text("my notes")
+    with pytest.raises(NotADirectoryError, match=r"listops is a file, where a folder is to "
+                                                 r"be written"), building_folder(notes):
+        pass
+    assert notes.read_text() == "my notes" and sorted(tmp_path.iterdir()) == [notes]
+    elsewhere = tmp_path / "big" / "listops"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "old.txt").write_text("old")
+    link = tmp_path / "cache" / "listops"
+    link.parent.mkdir()
+    link.symlink_to(elsewhere)
+    with building_folder(link) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert link.is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in link.parent.iterdir()) == ["listops"]
+    assert sorted(p.name for p in elsewhere.parent.iterdir()) == ["listops"]
+    unmounted = tmp_path / "cache" / "pathfinder"
+    unmounted.symlink_to(tmp_path / "mnt" / "disk" / "pathfinder")
+    with pytest.raises(FileNotFoundError, match=r"pathfinder is a link to .*which does not "
+                                                r"exist"), building_folder(unmounted):
+        pass
+    assert not (tmp_path / "mnt").exists()
+
+
+def test_a_figure_is_flushed_to_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    """save_figure renamed the file matplotlib wrote without flushing it, unlike every
+    other atomic write: a power cut could leave an empty plot under the name."""
+    import os
+
+    from matplotlib.figure import Figure
+
+    from skyformer.io import save_figure
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"),
+                                                     real_replace(a, b)))
+    save_figure(Figure(), tmp_path / "plot.png")
+    assert events == ["fsync", "replace"] and (tmp_path / "plot.png").stat().st_size > 0
+
+
 def test_a_built_folder_is_flushed_as_windows_allows(tmp_path, monkeypatch):
     """Windows flushes a file only through a handle open for writing (FlushFileBuffers;
     ``os.fsync`` of a read-only one fails with EBADF), where POSIX takes any: every

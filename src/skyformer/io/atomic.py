@@ -89,6 +89,11 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
                                        dir=target.parent)
             os.close(fd)
             fig.savefig(tmp, **savefig)
+            fd = os.open(tmp, os.O_RDWR)  # on disk before the rename, as atomic_writer
+            try:  # (a handle open for writing: Windows flushes no other)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.chmod(tmp, FILE_MODE)
             os.replace(tmp, target)
     finally:

@@ -73,8 +73,20 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     atomically written results do, whatever the umask. The temporary folder is named
     ``.NAME.HOST-PID.XXXXXXXX.tmp``, and the folder it replaces is set aside as
     ``.NAME.HOST-PID.XXXXXXXX.old`` until the rename: what a killed process left is
-    cleaned up by the next build of ``path`` on that host (``remove_dead_builds``)."""
-    final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
+    cleaned up by the next build of ``path`` on that host (``remove_dead_builds``).
+    A symbolic link at ``path`` is kept: the folder is built where it points, beside its
+    target (a link to a mount point itself cannot be replaced, and fails at the rename);
+    a link to nothing (a disk not mounted) and a file there are refused."""
+    # "." and ".." resolved (the folder has a name), and a link followed: replacing it
+    # with a folder would move the data off the disk it points to
+    final = Path(os.path.realpath(path))
+    if os.path.islink(path) and not final.exists():
+        raise FileNotFoundError(f"{path} is a link to {final}, which does not exist (a disk "
+                                f"not mounted?); make the folder it points to, or remove "
+                                f"the link.")
+    if final.exists() and not final.is_dir():
+        raise NotADirectoryError(f"{path} is a file, where a folder is to be written; move "
+                                 f"it away or choose another folder.")
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_builds(final)
     with _BUILDING_GUARD:  # listed before another thread's remove_dead_builds can see it
