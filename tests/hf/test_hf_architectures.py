@@ -1086,6 +1086,12 @@ def test_set_attention_on_one_part_of_an_encoder_decoder_leaves_the_other_part()
         warnings.simplefilter("error")  # no "this BartAttention has no setting"
         got = whole(**batch).last_hidden_state
     torch.testing.assert_close(got, want(**batch).last_hidden_state, rtol=0, atol=0)
+    # a whole model set in some layers leaves another model of its config warning
+    first = tiny_bert()
+    second = type(first)(first.config).eval()
+    shf.set_attention(first, "performer", layers=[0], num_features=8)
+    with pytest.warns(UserWarning, match="BertSdpaAttention has no setting|has no setting"):
+        second(ids)
     shf.set_attention(whole.get_decoder(), "linear")
     shf.restore_exact(whole.get_encoder())
     assert [r["method"] for r in shf.describe(whole)] == ["exact"] * 2 + ["linear"] * 4

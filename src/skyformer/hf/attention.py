@@ -156,14 +156,14 @@ def is_skyformer_implementation(implementation: str | None) -> bool:
 # and install their own, so the first calls ran with states the model then dropped.
 _MAKING = threading.Lock()
 
-# The configs that set_attention switched (by id; the configs weakly held): a layer
-# without a setting under them runs exact attention by the caller's choice (the other
-# part of an encoder-decoder one of whose parts was set), not from a bare "skyformer".
+# The configs that set_attention switched for one part of an encoder-decoder (by id;
+# the configs weakly held): a layer of the other part, without a setting, runs exact
+# attention by the caller's choice, not from a bare "skyformer".
 _SET_CONFIGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def note_set_config(config: Any) -> None:
-    """Record that ``set_attention`` gave ``config``'s model its settings."""
+    """Record that ``set_attention`` set one part of ``config``'s encoder-decoder."""
     _SET_CONFIGS[id(config)] = config
 
 
@@ -184,9 +184,13 @@ def _layer_for(module: nn.Module, implementation: str, default_method: str) -> L
 
 def _warn_never_set(module: nn.Module) -> None:
     """The per-layer implementation in a layer ``set_attention`` never set (it gives
-    every layer a setting, exact ones too): loaded with ``attn_implementation=
-    "skyformer"``, the name a user would guess for the method, every layer runs exact
-    attention. Shown once per place in the model's code (Python's warning registry)."""
+    every layer of the model it is given a setting, exact ones too): loaded with
+    ``attn_implementation="skyformer"``, the name a user would guess for the method,
+    every layer runs exact attention. Not where ``set_attention`` set one part of an
+    encoder-decoder (``note_set_config``, by config: another encoder-decoder built on the
+    same config object is silent too, and a deep copy of the set model, which holds a
+    config of its own, warns). Shown once per place in the model's code (Python's
+    warning registry)."""
     warnings.warn(
         f"attn_implementation={PER_LAYER!r} runs each attention layer as "
         f"skyformer.hf.set_attention set it, and this {type(module).__name__} has no "

@@ -205,8 +205,9 @@ def set_attention(
     if not causal_layers:
         _refuse_causal_form_options(name, options)
     _switch(model, target)  # first: where refused, nothing is installed
-    for config in {id(m.config): m.config for _, _, m in modules}.values():
-        note_set_config(config)  # the other part of an encoder-decoder reads it too
+    if one_part:  # the other part of an encoder-decoder reads the config too
+        for config in {id(m.config): m.config for _, _, m in modules}.values():
+            note_set_config(config)
     for module, layer, state in built:  # only once every layer has passed its checks
         if state is KEEP_STATE:
             module.__dict__[SETTING_NAME] = layer
