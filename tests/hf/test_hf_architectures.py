@@ -1021,6 +1021,10 @@ def test_from_pretrained_names_model_kwargs_for_the_loaders_keywords(tmp_path, m
     with pytest.raises(ValueError, match=r"^skyformer.hf.set_attention has no argument "
                                          r"'seeds' \(did you mean 'seed'\?\)"):
         shf.set_attention(tiny_bert(), "performer", seeds=0)
+    with pytest.raises(ValueError, match=r"no argument 'layer' \(did you mean 'layers'"):
+        shf.set_attention(tiny_bert(), "exact", layer=[0])
+    with pytest.raises(ValueError, match=r"no argument 'methd' \(did you mean 'method'"):
+        shf.from_pretrained(tmp_path, "performer", methd="linear")
 
 
 @pytest.mark.filterwarnings("ignore:.*makes its trainable parameters")

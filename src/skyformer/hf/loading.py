@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 from ..registry import get_method, list_methods
-from ..registry.methods import did_you_mean, option_suggestion
+from ..registry.methods import option_suggestion, refuse_misspelt_arguments
 from ..registry.variants import is_variant
 from .attention import (
     PER_LAYER,
@@ -219,9 +219,6 @@ def _config_entry(path: str | Path, model_kwargs: dict[str, Any], key: str
     return values.get(key), str(where)
 
 
-_OWN_ARGUMENTS = ("layers", "seed", "auto_class", "model_kwargs")  # from_pretrained's
-
-
 def _refuse_loader_keywords(method: str, options: dict[str, Any]) -> None:
     """Fail before loading where a keyword is an option of no method: most likely one of
     the transformers loader's (``dtype``, ``device_map``), which go in ``model_kwargs``."""
@@ -231,9 +228,8 @@ def _refuse_loader_keywords(method: str, options: dict[str, Any]) -> None:
         raise ValueError("skyformer.hf.from_pretrained chooses attn_implementation from the "
                          "method it loads with: pass the method instead (method='exact' "
                          "for the model's own attention).")
-    own = did_you_mean(unknown[0], _OWN_ARGUMENTS) if unknown else ""
-    if own:  # a misspelt argument of this function, not one for the loader
-        raise ValueError(f"skyformer.hf.from_pretrained has no argument {unknown[0]!r}{own}.")
+    # a misspelt argument of from_pretrained itself, not one for the loader
+    refuse_misspelt_arguments(unknown, "skyformer.hf.from_pretrained", from_pretrained)
     if unknown:
         known = () if method == EXACT else get_method(method).option_names()
         close = option_suggestion(unknown[0], known)

@@ -31,7 +31,7 @@ from ..ops.shared.causal_nystrom import (
     refuse_causal_form_options,
 )
 from ..registry import get_method
-from ..registry.methods import refuse_misnamed_arguments
+from ..registry.methods import refuse_misnamed_arguments, refuse_misspelt_arguments
 from ..registry.variants import is_variant
 from .attention import (
     PER_LAYER,
@@ -156,10 +156,13 @@ def set_attention(
     """
     register_methods()  # methods registered after ``import skyformer.hf`` get a name too
     name = resolve_method_name(method)
-    check_setting_arguments(name, seed, options)  # also where no layer is built (exact)
-    if name != EXACT:  # layer=, seeds=: this function's argument, not the method's option
+    # layer=, seeds=: this function's argument, not the method's option
+    if name == EXACT:
+        refuse_misspelt_arguments(options, "skyformer.hf.set_attention", set_attention)
+    else:
         refuse_misnamed_arguments(get_method(name), options, "skyformer.hf.set_attention",
                                   set_attention)
+    check_setting_arguments(name, seed, options)  # also where no layer is built (exact)
     current = _implementation(model)
     _refuse_inner_module(model)
     modules, chosen = _select(model, layers)

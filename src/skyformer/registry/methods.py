@@ -606,6 +606,16 @@ def option_suggestion(given: str, names: Iterable[str]) -> str:
     return did_you_mean(given, names)
 
 
+def refuse_misspelt_arguments(options: Iterable[str], entry: str,
+                              function: Callable[..., Any]) -> None:
+    """A sentence (ValueError) where a keyword of ``options`` is a close misspelling of
+    one of the entry point ``function``'s named arguments (``layer`` for ``layers``)."""
+    for name in options:
+        close = did_you_mean(name, _argument_names(function))
+        if close:
+            raise ValueError(f"{entry} has no argument {name!r}{close}.")
+
+
 def refuse_misnamed_arguments(method: Method, options: dict[str, Any], entry: str,
                               function: Callable[..., Any]) -> None:
     """A sentence (ValueError) for an option ``method`` lacks that was meant as an
