@@ -262,6 +262,10 @@ def test_a_module_inside_a_model_is_refused_with_the_call_that_works():
         shf.set_attention(model.encoder, "performer")
     assert not [key for key in vars(model.encoder) if key.startswith("_skyformer")]
     assert {row["method"] for row in shf.describe(model)} == {"exact (sdpa)"}
+    shf.set_attention(model, "performer", layers=[0], num_features=8)
+    with pytest.raises(TypeError, match="BertEncoder holds a transformers config"):
+        shf.restore_exact(model.encoder)  # it cleared every layer before failing
+    assert [row["method"] for row in shf.describe(model)] == ["performer", "exact"]
 
 
 def test_refused_keyword_arguments():

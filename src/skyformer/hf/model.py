@@ -299,6 +299,7 @@ def restore_exact(model: ModelT, *, layers: Iterable[int] | int | None = None) -
     if layers is not None:
         return set_attention(model, EXACT, layers=layers)
     current = _implementation(model)
+    _refuse_inner_module(model)  # before any layer is cleared
     modules = attention_modules(model)
     if is_skyformer_implementation(current) and _one_part(model, modules):
         # the other part keeps what it runs (set_attention keeps the implementation)
