@@ -554,6 +554,58 @@ def test_a_llama_decodes_under_autocast_as_its_forward(method, options):
 
 
 @torch.no_grad()
+def test_a_crop_outside_autocast_steps_again_what_the_state_took_inside():
+    """The rollback kept Llama's float32 q and k beside bfloat16 v: a crop made after the
+    autocast block stepped them again without it, the state refused the mix, and layer 0
+    could neither crop nor crop again."""
+    model = _llama()
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    ids, _ = _prompt()
+    cache = shf.DecodingCache(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(ids[:, :12]).logits
+        model(ids[:, :10], cache=cache)
+        for layer in cache.layers:
+            layer.activate_past_recording()
+        model(ids[:, 10:13], cache=cache)
+    cache.crop(-2)
+    assert [layer.seen for layer in cache.layers] == [11, 11]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step = model(ids[:, 11:12], cache=cache).logits
+    torch.testing.assert_close(step, full[:, 11:], rtol=0.05, atol=0.05)
+
+
+@torch.no_grad()
+def test_a_crop_whose_step_fails_can_be_made_again(monkeypatch):
+    """The layer gave up its rollback before stepping the kept positions again: a
+    failure there (out of memory) left a layer that could not crop any more."""
+    model = _gpt2()
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    ids, _ = _prompt()
+    cache, control = shf.DecodingCache(model), shf.DecodingCache(model)
+    for c in (cache, control):
+        model(ids[:, :10], cache=c)
+        for layer in c.layers:
+            layer.activate_past_recording()
+        model(ids[:, 10:13], cache=c)
+    state_class = type(cache.layers[0].state)
+    step = state_class.step
+
+    def fails_once(self, *args, **kwargs):
+        monkeypatch.setattr(state_class, "step", step)
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(state_class, "step", fails_once)
+    with pytest.raises(RuntimeError, match="simulated"):
+        cache.crop(-2)
+    assert [layer.seen for layer in cache.layers] == [13, 13]
+    for c in (cache, control):
+        c.crop(-2)
+    torch.testing.assert_close(model(ids[:, 11:12], cache=cache).logits,
+                               model(ids[:, 11:12], cache=control).logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
 def test_a_step_the_state_refuses_in_the_first_layer_is_undone():
     """A step whose dtype the first layer's state refuses (autocast on after a float32
     prompt) changes nothing, as the state promises: the cache took the step as

@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..masks import allowed_entries
+from ..registry.autocast import as_autocast_hands_them
 from .cache_steps import StepProgress, StepReadings
 from .layers import EXACT, STATE_NAME, LayerAttention, attention_modules, is_cross_attention
 
@@ -128,7 +129,8 @@ class DecodingLayer(CacheLayerMixin):
         refuses or fails leaves it as it was (``fail`` then undoes the step where no
         other layer took it)."""
         rollback = self.rollback
-        if self.record_past:
+        if self.record_past:  # the inputs as the state takes them: a crop steps them
+            q, k, v = as_autocast_hands_them(q, k, v)  # again, maybe outside autocast
             self.rollback = (copy.copy(self.state), q, k, v, key_valid)
         try:
             out = self.state.step(q, k, v, key_valid)
@@ -428,8 +430,12 @@ class DecodingLayer(CacheLayerMixin):
                 state.generator = self.state.key
             stay = q.shape[2] - remove
             if stay:  # the positions that stay, stepped again
-                state.step(q[:, :, :stay], k[:, :, :stay], v[:, :, :stay],
-                           None if key_valid is None else key_valid[:, :stay])
+                try:
+                    state.step(q[:, :, :stay], k[:, :, :stay], v[:, :, :stay],
+                               None if key_valid is None else key_valid[:, :stay])
+                except BaseException:
+                    self.rollback = rollback  # the state is as it was: a crop may come again
+                    raise
             self.state = state
             if self.valid is not None:  # up to the last padded position that stays
                 self.valid = _up_to_last_padding(self.valid[:, : state.length])
