@@ -532,13 +532,14 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
                            generator: Any) -> Tensor:
         """Attention of this rank's shard of the sequence (``process_group``). A call that
-        fails puts the method state's buffers back (Performer's call count, redraws and
-        features): a rank that refused its input alone counted nothing, so the others,
-        which raise at the exchange, must not count it either, or their features would
-        be redrawn at other calls from then on."""
+        fails in training puts the method state's buffers back (Performer's call count,
+        redraws and features; the built-in states change them in training only): a rank
+        that refused its input alone counted nothing, so the others, which raise at the
+        exchange, must not count it either, or their features would be redrawn at other
+        calls from then on."""
         from .distributed import run_sequence_parallel
 
-        kept = {} if self.method_state is None else {
+        kept = {} if self.method_state is None or not self.method_state.training else {
             name: buffer.clone() for name, buffer in self.method_state.named_buffers()}
         try:
             with self._failing_together():
