@@ -59,6 +59,16 @@ def test_a_one_second_run_keeps_positional_notation(tmp_path):
     assert time_row == "| softmax | 0.00028 | 0.00000095 |"
 
 
+@pytest.mark.parametrize(("seconds", "hours"), [(18.0, "0.0050"), (35.99, "0.010")])
+def test_a_small_mean_keeps_two_significant_digits_after_rounding(tmp_path, seconds, hours):
+    """0.005 hours printed 0.005 (one digit), and 0.0099996 printed 0.01 beside the
+    three decimals of 0.010 and above."""
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.36, seconds=seconds, memory=2**30)
+    time_row = [line for line in tables(collect_runs([tmp_path])).splitlines()
+                if line.startswith("| softmax |")][1]
+    assert time_row == f"| softmax | {hours} | 1.000 |"
+
+
 def test_synthetic_and_short_runs_are_flagged(tmp_path):
     _fake_run(tmp_path, "pathfinder", "softmax", 0, 0.7, synthetic_data=True)
     _fake_run(tmp_path, "text", "softmax", 0, 0.5, dev_is_test=True)

@@ -23,6 +23,7 @@ split are flagged.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import json
 import math
@@ -335,7 +336,8 @@ def _amount_cell(values: list[float]) -> str:
     mean = statistics.fmean(values)
     if not 0 < mean < 0.01:  # NaN, where a run recorded none, too
         return f"{mean:.3f}"
-    return f"{mean:.{1 - math.floor(math.log10(mean))}f}"
+    # rounded first, its zeros kept: 0.005 -> 0.0050, 0.0099996 -> 0.010 (as .3f)
+    return format(decimal.Decimal(f"{mean:#.2g}"), "f")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
