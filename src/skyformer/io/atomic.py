@@ -50,6 +50,17 @@ def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[
             raise
 
 
+def fsync_path(path: str, flags: int) -> None:
+    """Flush ``path`` to disk through a handle opened with ``flags`` (a file's open for
+    writing, ``os.O_RDWR``: Windows flushes no other; a folder's ``os.O_RDONLY |
+    os.O_DIRECTORY``)."""
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # The errors of a disk (or quota) without room for a file
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
@@ -89,11 +100,7 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
                                        dir=target.parent)
             os.close(fd)
             fig.savefig(tmp, **savefig)
-            fd = os.open(tmp, os.O_RDWR)  # on disk before the rename, as atomic_writer
-            try:  # (a handle open for writing: Windows flushes no other)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(tmp, os.O_RDWR)  # on disk before the rename, as atomic_writer
             os.chmod(tmp, FILE_MODE)
             os.replace(tmp, target)
     finally:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic import DIR_MODE, FILE_MODE
+from .atomic import DIR_MODE, FILE_MODE, fsync_path
 from .processes import builder_tag, process_alive
 
 # The temporary and set-aside folders of builds this process has going (real paths):
@@ -165,14 +165,7 @@ def _flush_tree(folder: Path) -> None:
     there only the files are flushed."""
     for root, _, files in os.walk(folder, topdown=False):
         for name in files:
-            _fsync(os.path.join(root, name), os.O_RDWR)
+            fsync_path(os.path.join(root, name), os.O_RDWR)
         if hasattr(os, "O_DIRECTORY"):
-            _fsync(root, os.O_RDONLY | os.O_DIRECTORY)
+            fsync_path(root, os.O_RDONLY | os.O_DIRECTORY)
 
-
-def _fsync(path: str, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
