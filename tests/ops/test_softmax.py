@@ -104,6 +104,39 @@ def test_a_nan_bias_row_is_nan_as_in_sdpa_and_a_row_without_keys_zero(method):
     assert out[0, 0, [0, 3]].isfinite().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_padded_causal_rows_whose_logits_all_lie_far_below_zero_keep_their_weights(dtype):
+    """The padded causal form carried the padding as a fixed logit of -1e6: a row whose
+    real logits all lay below it (a large scale, s = 1e4, with q.k ~ -150) gave the
+    padded keys every weight and came out 0, where torch's SDPA with the same mask
+    gives the real keys' values. The padded logit now lies below every real one, a NaN
+    row of another head left out."""
+    import torch.nn.functional as F
+
+    n = 6
+    q = torch.full((2, 2, n, 4), 5.0)
+    k = -(5 + torch.rand(2, 2, n, 4, generator=torch.Generator().manual_seed(0)) * 5)
+    v = torch.randn(2, 2, n, 3, generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[0, :2] = False  # left padding: rows 0-1 of element 0 see no real key
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    got = softmax_attention(q, k, v, key_padding_mask=valid, causal=True, scale=1e4,
+                            query_padding_mask=None)
+    allowed = torch.ones(n, n, dtype=torch.bool).tril() & valid[:, None, None, :]
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=1e4,
+                                          attn_mask=allowed)
+    sees_a_key = allowed.any(-1, keepdim=True)
+    torch.testing.assert_close(got.float(), torch.where(sees_a_key, want, 0.0),
+                               **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
+    if dtype == torch.float32:  # a NaN query row spoils its own row alone, as in SDPA
+        q[0, 1, -1, 0] = torch.nan
+        spoilt = softmax_attention(q, k, v, key_padding_mask=valid, causal=True, scale=1e4,
+                                   query_padding_mask=None)
+        assert spoilt[0, 1, -1].isnan().all()
+        torch.testing.assert_close(spoilt[0, :, :-1], got[0, :, :-1])
+        torch.testing.assert_close(spoilt[0, 0], got[0, 0])
+
+
 @pytest.mark.parametrize(("causal", "dv"), [(True, 16), (False, 8), (False, 24), (True, 8)])
 def test_the_padded_causal_form_and_another_value_width_form_no_n_by_n_block(causal, dv):
     """SDPA's CPU flash kernel takes q, k, v of one head dim; the padding's extra logit

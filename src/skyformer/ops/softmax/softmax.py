@@ -20,7 +20,7 @@ from ..shared.masked import attention_bias, biased_attention
 from ..shared.options import check_bool, check_finite_scale, check_probability
 from ..shared.sdpa import sdpa
 
-_MASKED_LOGIT = -1e6  # far enough below any real logit that exp() underflows to 0
+_MASKED_MARGIN = 1e4  # a padded key's logit is this far below every real one: exp() is 0
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,39 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, s
         out = sdpa(q, k, v, attn_mask=safe[:, None, None, :], scale=scale, dropout_p=dropout_p)
     else:
         # SDPA takes no attn_mask together with is_causal: carry the padding in one
-        # extra logit column instead (q' = [s q, 1], k' = [k, 0 or -1e6]).
-        bias = torch.where(key_valid, 0.0, _MASKED_LOGIT).to(q.dtype)[:, None, :, None]
-        ones = torch.ones_like(q[..., :1])
-        q_aug = torch.cat([q * scale, ones], dim=-1)
-        k_aug = torch.cat([k, bias.expand(*k.shape[:-1], 1)], dim=-1)
+        # extra logit column instead (q' = [s q, c], k' = [k, 0 or -c]).
+        q_column, k_column = _padding_columns(q, k, key_valid, scale)
+        q_aug = torch.cat([q * scale, q_column.expand(*q.shape[:-1], 1)], dim=-1)
+        k_aug = torch.cat([k, k_column.expand(*k.shape[:-1], 1)], dim=-1)
         out = sdpa(q_aug, k_aug, v, scale=1.0, is_causal=True, dropout_p=dropout_p)
     return out * has_key[:, None, :, None].to(out.dtype)
+
+
+def _padding_columns(q: Tensor, k: Tensor, key_valid: Tensor, scale: float
+                     ) -> tuple[Tensor, Tensor]:
+    """The extra columns of the padded causal form, ``[B, 1, 1, 1]`` for the queries and
+    ``[B, 1, Nk, 1]`` for the keys, in q's dtype: c and 0 (a real key) or -c (a padded
+    one), so that a padded key's logit is s q_i.k_j - c^2. Every |s q_i.k_j| of a batch
+    element is at most M = |s| max_i |q_i| max_j |k_j| (row norms over its heads and
+    rows; a NaN row, whose own output is NaN, is left out, so it spoils no other row),
+    and c^2 = 2 M + margin puts each padded logit below every real one by the margin at
+    least. A fixed -1e6 did not: real logits below it (s = 1e4, q.k = -150) gave the
+    padded keys every weight. c is kept within a quarter of the dtype's largest number
+    and of the square root of the fused kernels' accumulator's, where c^2 and the row's
+    products add up finite: in float16 c^2 <= 2.7e8, which real logits pass only with
+    row norms of about 3e4 at s = 1/8."""
+    accumulator = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def largest_row(x: Tensor) -> Tensor:  # [B]; 0 without rows
+        rows = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=accumulator).flatten(1)
+        rows = torch.cat([torch.nan_to_num(rows, nan=0.0), rows.new_zeros(len(rows), 1)], 1)
+        return rows.amax(dim=1)
+
+    bound = torch.nan_to_num(abs(scale) * largest_row(q) * largest_row(k), nan=0.0)  # 0 * inf
+    largest = min(torch.finfo(q.dtype).max, torch.finfo(accumulator).max ** 0.5) / 4
+    c = (2 * bound + _MASKED_MARGIN).sqrt().clamp(max=largest)[:, None, None, None]
+    k_column = torch.where(key_valid[:, None, :, None], 0.0, -c)
+    return c.to(q.dtype), k_column.to(q.dtype)
 
 
 @register(
