@@ -121,6 +121,32 @@ def test_attn_mask_and_is_causal_together_both_apply():
         F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~causal, -torch.inf)))
 
 
+@pytest.mark.parametrize("blocked", [None, -torch.inf, torch.finfo(torch.float32).min],
+                         ids=["bool", "-inf", "finfo.min"])
+def test_an_attn_mask_that_is_causal_beside_is_causal_runs_the_causal_form(blocked):
+    """With is_causal both masks apply: a prefix-LM mask (the first keys open to every
+    query) beside is_causal is causal, as softmax and torch read it; an approximate
+    method refused it, read alone. Blocked additive entries are read as resolve_mask
+    reads them (transformers fills finfo.min), a batch element without keys included.
+    A mask that allows only what causal hides is the other convention's and keeps its
+    sentence."""
+    n = 7
+    q, k, v = make_qkv(2, 2, n, 4)
+    tril = torch.ones(n, n, dtype=torch.bool).tril()
+    prefix = torch.stack([tril | (torch.arange(n) < 3), torch.zeros(n, n, dtype=torch.bool)])
+    mask = prefix if blocked is None else torch.zeros(2, n, n).masked_fill(~prefix, blocked)
+    mask = mask[:, None]  # [B, 1, N, N]: element 1 has no key
+    keys = torch.tensor([[True] * n, [False] * n])
+    torch.testing.assert_close(sdpa(q, k, v, attn_mask=mask, is_causal=True, method="linear"),
+                               sdpa(q, k, v, is_causal=True, key_padding_mask=keys,
+                                    method="linear"))
+    with pytest.raises(ValueError, match="neither key padding nor causal"):
+        sdpa(q, k, v, attn_mask=mask, method="linear")  # alone it is no causal mask
+    swapped = ~tril if blocked is None else torch.zeros(n, n).masked_fill(tril, blocked)
+    with pytest.raises(ValueError, match=r"complement of a causal mask|blocked half swapped"):
+        sdpa(q, k, v, attn_mask=swapped, is_causal=True, method="linear")
+
+
 @pytest.mark.parametrize("method", APPROXIMATE)
 def test_padding_attn_mask_equals_key_padding_mask(method):
     """An approximate method reads a key-padding attn_mask (bool or additive) as its

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .linalg.tracing import may_read_values, values_to_check
-from .masks import resolve_mask
+from .masks import ResolvedMask, UnsupportedMaskError, allowed_entries, resolve_mask
 from .ops.shared.inputs import check_attention_inputs
 from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
@@ -384,9 +384,9 @@ def attn_mask_as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tens
             isinstance(query_padding_mask, Tensor) and query_padding_mask.dtype == torch.bool
             and tuple(query_padding_mask.shape) == (b, lq))
         rows = query_padding_mask if given else "auto"  # others: the method's check names
-        resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
-                                is_causal=False, query_valid=rows, advice=advice,
-                                all_real_as_none=all_real_padding_as_none(spec))
+        resolved = _resolved_with_causal(attn_mask, causal, batch=b, query_len=lq,
+                                         key_len=lk, query_valid=rows, advice=advice,
+                                         all_real_as_none=all_real_padding_as_none(spec))
         valid, causal = resolved.key_padding_mask, causal or resolved.causal
     elif attn_mask.dtype == torch.bool and attn_mask.shape[-2] == 1 \
             and attn_mask.shape[-1] == lk and attn_mask.shape[-3] == 1:
@@ -411,6 +411,29 @@ def attn_mask_as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tens
             return key_padding_mask, causal  # the method's check names what is wrong
         valid = valid & key_padding_mask
     return (key_padding_mask if valid is None else valid), causal
+
+
+def _resolved_with_causal(attn_mask: Tensor, causal: bool, **how: Any) -> ResolvedMask:
+    """``resolve_mask`` of ``attn_mask`` as it applies beside ``causal`` (both apply): a
+    mask refused alone is read again with the entries above the diagonal blocked, which
+    the causal mask hides anyway (a prefix-LM mask with is_causal is causal). Only where
+    it is refused alone: a key padding mask [B, 1, 1, S] stays one, no [N, N] block."""
+    try:
+        return resolve_mask(attn_mask, is_causal=False, **how)
+    except UnsupportedMaskError as alone:
+        if not causal or how["query_len"] != how["key_len"]:
+            raise
+        refused = alone
+    n = how["query_len"]
+    above = torch.ones(n, n, dtype=torch.bool, device=attn_mask.device).triu(1)
+    allowed = allowed_entries(attn_mask)  # as resolve_mask reads it (finfo.min: blocked)
+    hidden = (attn_mask.masked_fill(above, float("-inf")) if attn_mask.is_floating_point()
+              else allowed & ~above)  # a float mask's bias is kept, for resolve_mask to refuse
+    resolved = resolve_mask(hidden, is_causal=True, **how)
+    valid = resolved.key_padding_mask
+    if valid is not None and bool((allowed.flatten(1).any(-1) & ~valid.any(-1)).any()):
+        raise refused  # it allowed only what causal hides (the other convention's mask?)
+    return resolved
 
 
 def _is_key_padding(mask: Any, b: int, lk: int) -> bool:
