@@ -210,6 +210,28 @@ def test_a_causal_mask_of_the_other_convention_is_named_so():
     assert resolve(~above, causal=True).causal
 
 
+def test_an_additive_mask_with_the_blocked_half_swapped_is_named_so():
+    """A float mask has one convention (added to the logits): -inf on and below the
+    diagonal is a swapped mask, and ~mask, the bool advice, fails on a float tensor."""
+    tril = torch.ones(N, N, dtype=torch.bool).tril()
+    swapped = torch.zeros(N, N).masked_fill(tril, float("-inf")).expand(B, 1, N, N)
+    with pytest.raises(UnsupportedMaskError, match=r"the blocked half swapped\? A causal "
+                       r"mask blocks the entries above the diagonal") as refused:
+        resolve(swapped, causal=True)
+    assert "~mask" not in str(refused.value)
+
+
+def test_query_valid_must_be_bool():
+    """``~`` of a 0/1 integer tensor is -1/-2, every row unchecked: a window mask was
+    taken as no mask at all."""
+    window = hf_mask(sdpa_mask, sliding_window_causal_mask_function(3), padding(),
+                     allow_is_causal_skip=False)
+    with pytest.raises(TypeError, match=r"query_valid must be a bool tensor .* got "
+                                        r"torch.int64; pass query_valid.bool\(\)"):
+        resolve_mask(window, batch=B, query_len=N, key_len=N, is_causal=True,
+                     query_valid=padding().long())
+
+
 def test_malformed_masks_are_refused():
     with pytest.raises(UnsupportedMaskError, match="must broadcast"):
         resolve(torch.ones(B, 1, N, N + 1, dtype=torch.bool))

@@ -190,6 +190,9 @@ def resolve_mask(
     # [B, Nk]: keys some (real) query may see; the others are padding. Rows of padded
     # queries are not checked (module docstring).
     if isinstance(query_valid, Tensor):
+        if query_valid.dtype != torch.bool:  # ~ of 0/1 integers is -1/-2: every row unchecked
+            raise TypeError(f"query_valid must be a bool tensor [B, Nq] (True = real query), "
+                            f"got {query_valid.dtype}; pass query_valid.bool().")
         real_rows = query_valid.to(rows.device).expand(batch, query_len)
         visible = (rows & real_rows[:, :, None]).any(dim=1)
     else:
@@ -221,11 +224,17 @@ def resolve_mask(
     elif query_len == key_len and causal_padding():
         return ResolvedMask(_normalise(visible, all_real_as_none), True)
     if _is_causal_complement(rows):
-        raise UnsupportedMaskError(
-            "the attention mask is the complement of a causal mask (True above the "
-            "diagonal): a mask of the other convention? scaled_dot_product_attention's "
-            "attn_mask holds True where attention is allowed, torch.nn.MultiheadAttention's "
-            "where it is not; pass ~mask.")
+        if attention_mask.dtype == torch.bool:
+            raise UnsupportedMaskError(
+                "the attention mask is the complement of a causal mask (True above the "
+                "diagonal): a mask of the other convention? scaled_dot_product_attention's "
+                "attn_mask holds True where attention is allowed, "
+                "torch.nn.MultiheadAttention's where it is not; pass ~mask.")
+        raise UnsupportedMaskError(  # a float mask has one convention: added to the logits
+            "the additive attention mask blocks the diagonal and below and allows only the "
+            "keys above it: the blocked half swapped? A causal mask blocks the entries "
+            "above the diagonal: torch.zeros(N, N).masked_fill(~tril, float('-inf')) with "
+            "tril = torch.ones(N, N, dtype=torch.bool).tril().")
     lengths = "" if query_len == key_len else (
         f" with as many queries as keys (here Nq={query_len} queries, Nk={key_len} keys: a "
         f"cached prefix, or the slots of a static cache, cache_implementation='static')")
