@@ -527,6 +527,22 @@ def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cach
     assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 6
 
 
+def test_numpy_settings_train_to_a_result(listops_cache, tmp_path):
+    """A sweep's NumPy scalars (np.logspace learning rates, np.arange budgets) went into
+    every checkpoint, which torch.load(weights_only=True) refuses: the run trained to its
+    end and failed reading its own best.pt, with no result.json."""
+    import numpy as np
+
+    cfg = _cfg(steps=4, eval_every=2, lr=np.float64(3e-3), attention="skyformer",
+               attention_options={np.str_("num_features"): np.int64(4)}, seed=np.int64(1),
+               weight_decay=np.array(0.0))
+    assert type(cfg.lr) is float and type(cfg.weight_decay) is float
+    (name, value), = cfg.attention_options.items()
+    assert type(name) is str and type(value) is int
+    result = _run(cfg, listops_cache, tmp_path)
+    assert result["steps"] == 4 and (tmp_path / "result.json").exists()
+
+
 def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
         listops_cache, tmp_path, monkeypatch, caplog):
     """A run whose loss became NaN (here: an infinite learning rate from the schedule)

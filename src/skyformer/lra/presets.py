@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..checks import check_positive_int
 from ..eval.methods import setting_name
 from ..registry import get_method
@@ -70,6 +72,11 @@ class TrainConfig:
         get_method(self.attention)
         if not isinstance(self.attention_options, dict):
             raise TypeError(f"attention_options must be a dict, got {self.attention_options!r}.")
+        # NumPy scalars (a sweep's np.logspace learning rates) as Python numbers: the
+        # config is saved in every checkpoint, and torch.load(weights_only=True) refuses
+        # them, which failed the run at its end (its best.pt unreadable) and its resume
+        for item in dataclasses.fields(self):
+            object.__setattr__(self, item.name, _plain(getattr(self, item.name)))
         positive = ("steps", "batch_size", "eval_every", "grad_accum", "log_every", "dim",
                     "hidden", "heads", "layers")
         for name in positive:
@@ -107,6 +114,19 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every NumPy scalar or 0-d array (``np.array(3e-3)``), in dicts (keys
+    too: ``np.str_``), lists and tuples, as the Python value it holds; anything else as
+    it is."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    if isinstance(value, dict):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if type(value) in (list, tuple):  # not a named tuple, built otherwise
+        return type(value)(_plain(item) for item in value)
+    return value
 
 
 # Per task: the paper's batch size and learning rate; warm-up, evaluation interval and
