@@ -527,6 +527,23 @@ def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cach
     assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 6
 
 
+def test_a_finished_run_resumed_with_other_logging_settings_is_left_as_it_is(
+        listops_cache, tmp_path, monkeypatch):
+    """--log-every and --checkpoint-every may change at resume; a finished run resumed
+    with them was evaluated again and its result.json written again."""
+    import importlib
+
+    cfg = _cfg(steps=4, eval_every=2, log_every=2)
+    _run(cfg, listops_cache, tmp_path)
+    written = (tmp_path / "result.json").read_bytes()
+    lra_train = importlib.import_module("skyformer.lra.train")
+    monkeypatch.setattr(lra_train, "evaluate", lambda *a, **k: pytest.fail("evaluated again"))
+    again = _run(dataclasses.replace(cfg, log_every=3, checkpoint_every=4), listops_cache,
+                 tmp_path, resume=True)
+    assert (tmp_path / "result.json").read_bytes() == written
+    assert again["config"]["log_every"] == 2
+
+
 def test_numpy_settings_train_to_a_result(listops_cache, tmp_path):
     """A sweep's NumPy scalars (np.logspace learning rates, np.arange budgets) went into
     every checkpoint, which torch.load(weights_only=True) refuses: the run trained to its

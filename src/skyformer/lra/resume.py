@@ -239,10 +239,14 @@ def _stored_result(folder: Path) -> dict[str, Any] | None:
 
 def finished_result(folder: Path, cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     """The stored ``result.json`` of ``folder`` when it is the end of ``cfg``'s run resumed
-    at ``step``, else None."""
+    at ``step`` (its settings but ``CHANGEABLE_AT_RESUME``), else None."""
     result = _stored_result(folder)
     config = json_ready(cfg.to_dict())  # as written: an infinite setting is null
-    if result is None or result.get("config") != config or result.get("steps") != step:
+    recorded = None if result is None else result.get("config")
+    # the same settings but those a resume may change (another --log-every leaves a
+    # finished run as it is, where it was evaluated and written again)
+    if not isinstance(recorded, dict) or _settings(recorded) != _settings(config) \
+            or result.get("steps") != step:
         return None
     return result
 
