@@ -516,12 +516,19 @@ def test_the_lock_a_killed_run_left_is_taken_over(listops_cache, tmp_path):
         _run(_cfg(steps=4), listops_cache, tmp_path, resume=True)
 
 
-def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cache, tmp_path):
-    """Interrupted between early stopping and result.json: resume evaluates, trains no more."""
+def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cache, tmp_path,
+                                                                   monkeypatch):
+    """Interrupted between early stopping and result.json: resume evaluates, trains no
+    more, and names its peak as the uninterrupted run does (a new process, whose peak
+    counter was never reset, called it the whole process's)."""
+    from skyformer.lra import metrics
+
     cfg = _cfg(steps=40, lr=1e-12, eval_every=2, patience=2)
     whole = _run(cfg, listops_cache, tmp_path)
     (tmp_path / "result.json").unlink()
+    monkeypatch.setitem(metrics._cpu_reset, "done", False)  # as in a new process
     resumed = _run(cfg, listops_cache, tmp_path, resume=True)
+    assert resumed["peak_memory_kind"] == whole["peak_memory_kind"]
     assert resumed["steps"] == whole["steps"] == 6
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 6

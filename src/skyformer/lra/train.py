@@ -401,6 +401,9 @@ class Trainer:
     def _loop(self) -> bool:
         """Train until ``steps`` or early stopping (True), or until ``stop_after`` (False)."""
         cfg, state = self.cfg, self.state
+        # first: the result's peak kind reads whether a reset took (a run resumed after
+        # stopping early trains no step, and its peak is the checkpoint's)
+        reset_peak_memory(self.device)
         if self._patience_exhausted():  # resumed after stopping early, before result.json
             self._say(f"the run stopped early at step {state.step} (no dev improvement in "
                       f"{cfg.patience} evaluations): evaluating the best checkpoint")
@@ -411,7 +414,6 @@ class Trainer:
             return False  # nothing to train; the caller says so (run() returns None)
         checkpoint_every = cfg.checkpoint_every or cfg.eval_every
         self.model.train()
-        reset_peak_memory(self.device)
         segment = time.perf_counter()
         log_steps, log_seconds = 0, 0.0  # training time only: evaluations do not count
         while state.step < cfg.steps:
