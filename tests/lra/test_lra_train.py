@@ -567,6 +567,26 @@ def test_numpy_settings_train_to_a_result(listops_cache, tmp_path):
     assert result["steps"] == 4 and (tmp_path / "result.json").exists()
 
 
+def test_a_checkpoint_of_another_device_type_resumes_with_reseeded_draws(
+        listops_cache, tmp_path, caplog):
+    """A CUDA generator's state is 16 bytes, a CPU one's 5056: a run stopped on a CPU node
+    and resumed on a GPU node (or the other way) failed in Generator.set_state. Its
+    draws are reseeded, as for another process count, with a warning --quiet keeps."""
+    import struct
+
+    cfg = _cfg(steps=4, eval_every=2, attention="performer")
+    _run(cfg, listops_cache, tmp_path, stop_after=2)
+    ckpt = load_checkpoint(tmp_path / "last.pt")
+    cuda_state = torch.frombuffer(bytearray(struct.pack("<Qq", 1234, 0)), dtype=torch.uint8)
+    ckpt["rng"]["processes"][0].update(attention=cuda_state.clone(), cuda=cuda_state.clone())
+    save_checkpoint(tmp_path / "last.pt", ckpt)
+    with caplog.at_level(logging.WARNING, logger="skyformer"):
+        result = _run(cfg, listops_cache, tmp_path, resume=True)
+    assert result["steps"] == 4
+    assert re.search(r"resuming on cpu a run whose checkpoint was written on another "
+                     r"device type: .* reseeded", caplog.text)
+
+
 def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
         listops_cache, tmp_path, monkeypatch, caplog):
     """A run whose loss became NaN (here: an infinite learning rate from the schedule)

@@ -126,6 +126,15 @@ def device_rng_state(device: torch.device, attention_generator: torch.Generator
     return state
 
 
+def device_rng_state_fits(state: dict[str, Tensor], device: torch.device,
+                          attention_generator: torch.Generator) -> bool:
+    """Whether ``state`` was recorded on ``device``'s type: a CPU generator's state and
+    a CUDA one's differ in size (5056 bytes and 16), and only CUDA records ``cuda``.
+    A run stopped on a CPU node and resumed on a GPU node failed in ``set_state``."""
+    return (state["attention"].numel() == attention_generator.get_state().numel()
+            and ("cuda" in state) == (device.type == "cuda"))
+
+
 def set_device_rng_state(state: dict[str, Tensor], device: torch.device,
                          attention_generator: torch.Generator) -> None:
     torch.set_rng_state(state["torch"].cpu())

@@ -48,6 +48,7 @@ from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
 from .checkpoint import (
     device_rng_state,
+    device_rng_state_fits,
     host_rng_state,
     load_checkpoint,
     save_checkpoint,
@@ -203,6 +204,11 @@ class Trainer:
         if self.info.is_main and not self.quiet:
             _log.info(text)
 
+    def _warn(self, text: str) -> None:
+        """What ``--quiet`` still prints: a resume that differs from what was asked."""
+        if self.info.is_main:
+            _log.warning(text)
+
     def _build(self) -> None:
         cfg = self.cfg
         self.autocast = autocast_factory(cfg.precision, self.device)  # before the data's check
@@ -251,13 +257,22 @@ class Trainer:
         self.running.sums.copy_(own_running_sums(ckpt["running"], self.info).to(self.device))
         set_host_rng_state(ckpt["rng"]["host"])
         per_process = ckpt["rng"]["processes"]
-        if len(per_process) == self.info.world_size:
+        if len(per_process) != self.info.world_size:
+            other = (f"with {self.info.world_size} processes instead of {len(per_process)}: "
+                     f"data order is kept but dropout and attention draws are reseeded, and "
+                     f"evaluations of randomised attention draw on other batches")
+        elif not device_rng_state_fits(per_process[self.info.rank], self.device,
+                                       self.attention_generator):
+            other = (f"on {self.device.type} a run whose checkpoint was written on another "
+                     f"device type: data order is kept but dropout and attention draws "
+                     f"are reseeded")
+        else:
+            other = None
+        if other is None:
             set_device_rng_state(per_process[self.info.rank], self.device, self.attention_generator)
         else:
-            self._say(f"resuming with {self.info.world_size} processes instead of "
-                      f"{len(per_process)}: data order is kept but dropout and attention draws "
-                      "are reseeded, and evaluations of randomised attention draw on other "
-                      "batches, so the run will not match an uninterrupted one exactly")
+            self._warn(f"resuming {other}, so the run will not match an uninterrupted one "
+                       f"exactly")
             torch.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 1, self.state.step))
             self.attention_generator.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 2,
                                                        self.state.step))
