@@ -117,11 +117,17 @@ def test_table_three_layout_and_softmax_baseline(listops_cache):
     (["listops"], 0, {}, "num_features must be a positive integer"),
     (["listops", "text"], None, {}, "lra prepare text"),
     (["listops"], None, {"max_len": 99}, "exceeds the prepared length 8"),
+    (["listops"], None, {"batch_size": 10_000}, r"batch size \(10000\) exceeds the \d+ "),
 ])
 def test_every_setting_is_checked_before_the_first_measurement(
-        listops_cache, tasks, features, overrides, message):
-    """A bad option, an unprepared task or a length beyond the cache fails before softmax
-    (or an earlier task) is measured, not after it."""
+        listops_cache, tasks, features, overrides, message, monkeypatch):
+    """A bad option, an unprepared task, a length beyond the cache or a batch beyond a
+    task's training split fails before softmax (or an earlier task) is measured, not
+    after it (the taus measured then could not be resumed with the setting mended)."""
+    from skyformer.lra import stability
+
+    monkeypatch.setattr(stability, "instability_taus",
+                        lambda *a, **k: pytest.fail("measured before the check"))
     said = []
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         run_stability(tasks, ["skyformer"], cache_root=listops_cache, steps=1,

@@ -414,15 +414,16 @@ def _check_configs(plan: dict[tuple[str, str, int], TrainConfig],
                    cache_root: str | os.PathLike[str]
                    ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, Any]]]:
     """Fail before the first measurement, not after the earlier ones: every task is
-    prepared, fits its length, and every method takes its options. Returns, per task and
-    method, every option the method runs with (defaults included), and per task the
-    prepared data's record (``data_fingerprint``)."""
+    prepared, fits its length and the batch size, and every method takes its options.
+    Returns, per task and method, every option the method runs with (defaults
+    included), and per task the prepared data's record (``data_fingerprint``)."""
     data, ran_with = {}, {}
     for cfg in plan.values():
         check_measurable(cfg)
         if cfg.task not in data:
             data[cfg.task] = load_cache(cache_root, cfg.task)
         mcfg = model_config(cfg, data[cfg.task])
+        BatchOrder(len(data[cfg.task].splits["train"]), cfg.batch_size, cfg.seed)  # fits?
         resolved = resolve_attention_options(cfg.attention, cfg.attention_options, mcfg.max_len)
         spec = get_method(cfg.attention)
         ran_with.setdefault(cfg.task, {})[cfg.attention] = spec.options_of(
