@@ -280,6 +280,33 @@ def test_resume_refuses_a_run_of_other_methods_when_none_were_named(
            "'performer'] now)" in capsys.readouterr().err
 
 
+def test_a_finished_run_of_other_methods_is_measured_again_on_resume(tmp_path, monkeypatch,
+                                                                     capsys):
+    """Once a run finished, --resume compared its settings alone, where --methods unset
+    is every method: with a --plugin method added it said "nothing to resume" and never
+    measured it. The methods measured (the results' environment) are compared too: a
+    method added is measured, one gone (a --plugin not given) is refused, not replaced."""
+    out = tmp_path / "run"
+    assert main([*RESUMABLE, "--out", str(out)]) == 0
+    results = json.loads((out / "approx.json").read_text())
+    assert results["environment"]["methods"] == ["skyformer", "performer"]
+    results["environment"]["methods"] = ["skyformer"]  # as before a method was added
+    (out / "approx.json").write_text(json.dumps(results))
+    measured = _interrupt_at(monkeypatch, None)
+    capsys.readouterr()
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 0
+    assert measured == [64, 96] and "holds the finished results" not in capsys.readouterr().err
+    assert json.loads((out / "approx.json").read_text())["environment"]["methods"] == \
+        ["skyformer", "performer"]
+    results = json.loads((out / "approx.json").read_text())
+    results["environment"]["methods"].append("plugged_in")  # a --plugin not given now
+    (out / "approx.json").write_text(json.dumps(results))
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
+    assert "holds the finished results of plugged_in, which this run does not measure " \
+           "(a --plugin not given?)" in capsys.readouterr().err
+    assert json.loads((out / "approx.json").read_text()) == results  # nothing replaced
+
+
 def test_a_progress_file_without_resolved_methods_resumes_when_methods_were_named(
         tmp_path, monkeypatch, capsys):
     """Files written before the resolved methods were kept: with --methods given (as

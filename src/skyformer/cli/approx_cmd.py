@@ -23,7 +23,7 @@ from ..eval.approx.progress import (
     refuse_to_replace,
 )
 from ..eval.approx.report import FILES, analysis_table, format_table, rounded_floats, write_outputs
-from ..eval.approx.run import QUICK, ApproxConfig, run_approx
+from ..eval.approx.run import QUICK, ApproxConfig, resolve_methods, run_approx
 from ..eval.data.sources import SOURCES
 from ..io import (
     check_output_path,
@@ -237,6 +237,18 @@ def _finished_here(out: Path, config: ApproxConfig) -> bool:
     stamps = results.get("data")
     if not (isinstance(saved, dict) and finished_alike(saved, stamps, ours, config)):
         return False
+    measured = (results.get("environment") or {}).get("methods")
+    if isinstance(measured, list):  # --methods unset is every method: a plugin adds some
+        now = _methods_now(config)
+        gone = [name for name in measured if name not in now]
+        if gone:
+            raise ValueError(f"cannot resume: {out} holds the finished results of "
+                             f"{', '.join(gone)}, which this run does not measure (a "
+                             f"--plugin not given?); give the same --plugin and --methods, "
+                             f"run without --resume to measure this run's methods "
+                             f"(replacing them), or give another --out.")
+        if measured != now:
+            return False
     changed = data_changes(stamps, config) if isinstance(stamps, dict) else []
     if changed:
         raise ValueError(f"cannot resume: {out} holds the finished results of these settings, "
@@ -244,6 +256,11 @@ def _finished_here(out: Path, config: ApproxConfig) -> bool:
                          f"--resume to measure them again (replacing them), or give another "
                          f"--out.")
     return True
+
+
+def _methods_now(config: ApproxConfig) -> list[str]:
+    """The names of the methods a run of ``config`` measures, in order."""
+    return [spec.name for spec in resolve_methods(config.methods, [])]
 
 
 def _run_in_folder(args: argparse.Namespace, config: ApproxConfig) -> int:
