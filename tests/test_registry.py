@@ -407,8 +407,9 @@ def test_a_seeded_state_leaves_every_generator_as_it_was(method, monkeypatch):
 def test_registration_refuses_what_no_call_could_reach(monkeypatch):
     """Refused when registered, with a sentence: a core whose config parameter has
     another name (it would be called with the options as keywords, a TypeError at every
-    call), an option named like a call argument, and the names skyformer.hf gives the
-    model's own attention. A public form taking every option registers."""
+    call), an option named like a call argument, the names skyformer.hf gives the
+    model's own attention, and an option without a default (skyformer list and approx
+    bind without options). A public form taking every option registers."""
     from skyformer.registry import _REGISTRY
 
     @dataclasses.dataclass(frozen=True)
@@ -433,6 +434,23 @@ def test_registration_refuses_what_no_call_could_reach(monkeypatch):
     for reserved in ("exact", "sdpa"):
         with pytest.raises(ValueError, match=rf"{reserved!r} names the model's own attention"):
             register(reserved, Cfg, Capabilities(target="softmax"))
+
+    @dataclasses.dataclass(frozen=True)
+    class Required:  # calls that pass it worked; skyformer list and approx failed
+        num_features: int
+        gamma: float = 0.1
+
+    with pytest.raises(TypeError, match=r"'x': every option needs a default .* Required has "
+                                        r"none for num_features; give it one"):
+        register("x", Required, Capabilities(target="softmax"))
+
+    @dataclasses.dataclass(frozen=True)
+    class WithInitVar:  # the constructor's arguments count, not the fields
+        hint: dataclasses.InitVar[int]
+        num_features: int = 8
+
+    with pytest.raises(TypeError, match=r"WithInitVar has none for hint"):
+        register("x", WithInitVar, Capabilities(target="softmax"))
     assert not {"x", "exact", "sdpa"} & set(_REGISTRY)
 
     def public(q, k, v, *, key_padding_mask=None, generator=None, num_features=None):

@@ -298,6 +298,17 @@ _VARIANTS: dict[str, tuple[str, Method, Method]] = {}
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
+def _required_options(config_class: type) -> list[str]:
+    """The arguments ``config_class()`` cannot be built without (its constructor's, so
+    an ``InitVar`` counts and a class's own ``__init__`` with defaults does not)."""
+    try:
+        parameters = inspect.signature(config_class).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the first bind says
+        return []
+    return [p.name for p in parameters if p.default is p.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def register(
     name: str,
     config_class: type,
@@ -323,6 +334,12 @@ def register(
         raise ValueError(f"{name!r}: the target is the exact attention it approximates, one "
                          f"of {', '.join(TARGETS)}; got {capabilities.target!r}.")
     options = {f.name for f in dataclasses.fields(config_class)}
+    required = _required_options(config_class)
+    if required:  # spec.defaults(), skyformer list and approx bind with no options
+        raise TypeError(f"{name!r}: every option needs a default (the method's defaults are "
+                        f"its config's), and {config_class.__name__} has none for "
+                        f"{', '.join(required)}; give {'each' if len(required) > 1 else 'it'} "
+                        f"one (e.g. num_features: int = 64).")
     for capability, option in (("causal", "causal"), ("fixed_length", "max_seq_len")):
         if getattr(capabilities, capability) and option not in options:
             raise TypeError(f"{name!r} declares {capability}=True, which its config must "
