@@ -91,17 +91,24 @@ def test_same_seed_same_numbers_other_seed_other_numbers():
 
 def test_a_method_that_draws_nothing_is_run_once_for_all_seeds(monkeypatch):
     """Nystromformer (segment means) gives every seed one output: it is evaluated once
-    per m, and each seed gets that sample; a randomized method is run per seed."""
+    per m, and each seed gets that sample; a randomized method is run per seed, unless
+    its options draw nothing (BigBird without random blocks, whose seeds' copies were
+    run and counted in the row's spread)."""
     import skyformer.eval.approx.run as approx_run
 
     calls = []
     real = approx_run._call
     monkeypatch.setattr(approx_run, "_call",
                         lambda spec, *a: calls.append(spec.name) or real(spec, *a))
-    result = run_approx(small(seeds=(0, 1, 2), methods=("nystromformer", "skyformer"),
-                              analysis=False), log=lambda s: None)
+    no_draws = "bigbird[num_random_blocks=0]"
+    result = run_approx(small(seeds=(0, 1, 2), methods=("nystromformer", "skyformer",
+                                                        no_draws), analysis=False),
+                        log=lambda s: None)
     # 3 m, and a second seed at the first m that agreed with the first
     assert calls.count("nystromformer") == 4 and calls.count("skyformer") == 9
+    assert calls.count(no_draws) == 4
+    heads = len({s["head"] for s in result.samples})
+    assert {r["samples"] for r in rows_of(result, method=no_draws)} == {heads}
     samples = [s for s in result.samples if s["method"] == "nystromformer"]
     assert sorted({s["seed"] for s in samples}) == [0, 1, 2]
     by_seed = {seed: [s["spectral"] for s in samples if s["seed"] == seed] for seed in (0, 1, 2)}

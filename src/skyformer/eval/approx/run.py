@@ -280,6 +280,20 @@ def _call(spec: Method, q: Tensor, k: Tensor, v: Tensor, m: int, seed: int) -> T
         return bound(q, k, v, generator=torch.Generator(device=q.device).manual_seed(seed))
 
 
+def _draws_at(spec: Method, n: int, m: int) -> bool:
+    """Whether ``spec`` bound as ``_call`` binds it draws anything: randomized, and its
+    options not among those that draw nothing (``draws_nothing_because``: BigBird
+    without random blocks, Reformer with one bucket). Options it refuses: True (the
+    call says why)."""
+    if not spec.capabilities.randomized:
+        return False
+    try:
+        config = spec.bind(seq_len=n, num_features=m).config
+    except _CALL_ERRORS:
+        return True
+    return getattr(config, "draws_nothing_because", None) is None
+
+
 def _matrix(target: str, q: Tensor, k: Tensor) -> Tensor:
     """The materialised attention matrix of ``target`` for ``q, k: [H, N, D]``: ``[H, N, N]``."""
     if target == "softmax":
@@ -414,15 +428,17 @@ class _Sweep:
         n = data.q.shape[2]
         target = spec.capabilities.target
         seeds = self.config.seeds
-        # a method that draws nothing gives every seed the first one's output (the
-        # contract tests and `skyformer check` hold it to that): evaluated once, after
-        # a second seed at the first m agreed (the check ran other options)
-        draws = spec.capabilities.randomized
-        verify = not draws and len(seeds) > 1
+        # a method that draws nothing (or whose options draw nothing: BigBird without
+        # random blocks) gives every seed the first one's output (the contract tests and
+        # `skyformer check` hold it to that): evaluated once, after a second seed at the
+        # first such m agreed (the check ran other options)
+        verify, seen_drawing = len(seeds) > 1, False
         for m in ms:
+            draws = seen_drawing or _draws_at(spec, n, m)
+            checking = verify and not draws
             spectral, frob, first = [], [], None
             for seed in seeds:
-                if spectral and not draws and not verify:
+                if spectral and not draws and not checking:
                     spectral.append(spectral[0])
                     frob.append(frob[0])
                     bar.update(1)
@@ -437,13 +453,15 @@ class _Sweep:
                     break
                 if first is None:
                     first = out
-                elif verify:
-                    verify = False
+                elif checking:
+                    checking = verify = False
                     if not torch.allclose(out, first, rtol=0, atol=0, equal_nan=True):
-                        draws = True
-                        self.note(f"{spec.name}: not declared randomized, but seeds "
-                                  f"{seeds[0]} and {seed} gave other outputs at N={n}, m={m} "
-                                  f"({data.source}); every seed is evaluated.")
+                        draws = seen_drawing = True
+                        said = ("its options draw nothing" if spec.capabilities.randomized
+                                else "not declared randomized")
+                        self.note(f"{spec.name}: {said}, but seeds {seeds[0]} and {seed} "
+                                  f"gave other outputs at N={n}, m={m} ({data.source}); "
+                                  f"every seed is evaluated.")
                 if not torch.isfinite(out).all():
                     self.note(f"{spec.name}: non-finite output at N={n}, m={m}, seed={seed} "
                               f"({data.source}); its error is recorded as NaN.")
