@@ -263,6 +263,31 @@ def test_refused_configurations_get_sentences():
         reformer(rand(L, B, E), rand(S, B, E), rand(S, B, E), need_weights=False)
 
 
+def test_numpy_sizes_and_a_truthy_bias_are_taken_as_torch_takes_them():
+    """torch's layer stores np.int64 sizes (a random search's) or 0-d integer tensors, and
+    takes any truthy bias:
+    replace_attention refused such a model with advice its user could not follow (pass
+    int(value), for a value inside torch's layer), and the drop-in refused bias=1."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(np.int64(E), np.int64(H), 0.0, 1, batch_first=True,
+                                   dtype=F64)
+    model = nn.Sequential(theirs)
+    replace_attention(model, "softmax")
+    ours = model[0]
+    assert isinstance(ours, TorchMultiheadAttention) and type(ours.embed_dim) is int
+    x = rand(B, L, E)
+    torch.testing.assert_close(ours(x, x, x, need_weights=False)[0],
+                               theirs(x, x, x, need_weights=False)[0])
+    built = TorchMultiheadAttention(np.int64(E), np.int64(H), 0.0, 1)
+    assert built.in_proj_bias is not None and built.num_heads == H
+    built = TorchMultiheadAttention(torch.tensor(E), torch.tensor(H), kdim=torch.tensor(4))
+    assert (built.embed_dim, built.num_heads, built.kdim) == (E, H, 4)
+    with pytest.raises(ValueError, match=r"embed_dim must be a positive integer"):
+        TorchMultiheadAttention(torch.tensor([E]), H)
+
+
 APPENDED = [{"add_bias_kv": True}, {"add_zero_attn": True},
             {"add_bias_kv": True, "add_zero_attn": True}]
 

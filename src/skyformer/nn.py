@@ -115,7 +115,8 @@ def check_layer_configuration(where: str, dim_name: str, dim: Any, num_heads: An
     """What both attention layers (``MultiHeadAttention``, ``TorchMultiheadAttention``)
     refuse, in a sentence naming ``where``: a size that is no positive integer, a
     ``dim_name`` the heads do not divide (with the head counts that do), a dropout
-    outside [0, 1] (``nn.Dropout`` takes 1: every output zero), a bias not a bool."""
+    outside [0, 1] (``nn.Dropout`` takes 1: every output zero), a bias not a bool (the
+    drop-in reads any truthy bias as torch does, before this check)."""
     for name, value in ((dim_name, dim), ("num_heads", num_heads)):
         check_positive_int(f"{where}: {name}", value)
     if dim % num_heads:

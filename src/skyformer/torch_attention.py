@@ -56,6 +56,8 @@ and nested again.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import warnings
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -137,6 +139,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         **method_options: Any,
     ) -> None:
         super().__init__()
+        # torch's layer takes any integer type (np.int64 from a search) and any truthy bias
+        embed_dim, num_heads, kdim, vdim = map(_torch_int, (embed_dim, num_heads, kdim, vdim))
+        bias = bool(bias)
         _check_configuration(embed_dim, num_heads, dropout, bias, kdim, vdim, NAME)
         _refuse_process_group(method_options)
         factory = {"device": device, "dtype": dtype}
@@ -599,6 +604,17 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
 MultiheadAttention = TorchMultiheadAttention
 
 
+def _torch_int(value: Any) -> Any:
+    """An integer of any type (``np.int64``, a 0-d integer tensor) as a Python int, as
+    torch's layer takes it; anything else as it is, for the checks to name."""
+    if isinstance(value, Tensor) and value.ndim == 0 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
+
+
 def _check_configuration(embed_dim: Any, num_heads: Any, dropout: Any, bias: Any,
                          kdim: Any, vdim: Any, where: str) -> None:
     """A sentence for a configuration the layer cannot take; ``where`` names the layer."""
@@ -756,8 +772,9 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
             f"kdim=mha.kdim, vdim=mha.vdim, "
             f"batch_first=mha.batch_first, method=...); "
             f"new.load_state_dict(mha.state_dict()).")
-    _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
-                         mha.kdim, mha.vdim, where)
+    _check_configuration(_torch_int(mha.embed_dim), _torch_int(mha.num_heads), mha.dropout,
+                         mha.in_proj_bias is not None, _torch_int(mha.kdim),
+                         _torch_int(mha.vdim), where)  # torch took them as they are
     appended = _appended_names(mha.bias_k is not None, bool(mha.add_zero_attn))
     method_options = {k: v for k, v in options.items() if k != "return_weights"}
     _refuse_process_group(method_options)
