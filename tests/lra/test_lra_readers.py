@@ -173,6 +173,25 @@ def test_imdb_reviews_are_stripped_of_surrounding_whitespace_as_tfds_reads_them(
         prepare("text", tmp_path, tmp_path / "c")
 
 
+def test_imdb_hidden_files_a_mac_writes_are_no_reviews(tmp_path):
+    """A tree copied by a Mac to another disk, or tarred there, holds a binary
+    "._NAME.txt" beside every review: each was read as one more review of its label
+    (and a "._NAME.npy" beside Pathfinder's metadata was refused as not UTF-8)."""
+    root = make_imdb(tmp_path)
+    for review in list(root.glob("*/*/*.txt")):
+        (review.parent / f"._{review.name}").write_bytes(b"\x00\x05\x16\x07Mac OS X")
+    data = load_cache(prepare("text", tmp_path, tmp_path / "c", dev_fraction=0.25).parent,
+                      "text")
+    assert [len(data.splits[s]) for s in ("train", "dev", "test")] == [6, 2, 4]
+    # and Pathfinder's metadata files: refused as text that is not UTF-8
+    pf, _ = make_pathfinder_release(tmp_path / "pf", count=20)
+    metadata = pf / "curv_contour_length_14" / "metadata"
+    for listed in list(metadata.glob("*.npy")):
+        (metadata / f"._{listed.name}").write_bytes(b"\x00\x05\x16\x07Mac OS X\xb0")
+    data = load_cache(prepare("pathfinder", pf, tmp_path / "c").parent, "pathfinder")
+    assert sum(len(data.splits[s]) for s in ("train", "dev", "test")) == 20
+
+
 def test_imdb_dev_fraction_zero_validates_on_test_and_says_so(tmp_path):
     make_imdb(tmp_path)
     data = load_cache(prepare("text", tmp_path / "aclImdb", tmp_path / "c", dev_fraction=0).parent,

@@ -42,7 +42,9 @@ def pil_image(needs: str = "reading Pathfinder images") -> Any:
 
 def _metadata(folder: Path) -> tuple[list[tuple[Path, int]], int]:
     meta_dir = folder / "metadata"
-    files = sorted(meta_dir.glob("*.npy"), key=lambda p: (len(p.stem), p.stem))
+    # not the hidden "._NAME.npy" files a Mac writes beside each file on other disks
+    files = sorted((p for p in meta_dir.glob("*.npy") if not p.name.startswith(".")),
+                   key=lambda p: (len(p.stem), p.stem))
     if not files:
         raise FileNotFoundError(f"{meta_dir} holds no metadata files (*.npy).")
     samples, empty = [], 0

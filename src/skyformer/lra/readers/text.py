@@ -31,7 +31,9 @@ def _reviews(folder: Path) -> list[tuple[Path, int]]:
         sub = folder / name
         if not sub.is_dir():
             raise FileNotFoundError(f"missing folder {sub} (IMDb reviews labelled {name}).")
-        files = sorted(sub.glob("*.txt"))
+        # not the hidden "._NAME.txt" files a Mac writes beside each file on other disks
+        # (and into its tar archives): each was read as one more review of the label
+        files = sorted(f for f in sub.glob("*.txt") if not f.name.startswith("."))
         if not files:
             raise FileNotFoundError(f"{sub} holds no *.txt reviews.")
         items.extend((f, label) for f in files)
