@@ -349,6 +349,26 @@ def test_pathfinder_wrong_size_image_is_an_error(tmp_path):
         prepare("pathfinder", root, tmp_path / "c")
 
 
+
+def test_pathfinder_sizes_are_named_from_the_first_listed_image(tmp_path):
+    """The first listed image sets the size: one not square was said to be expected
+    "None x None", and one of another size blamed the next, correct, image alone."""
+    from PIL import Image
+
+    from skyformer.lra.readers.pathfinder import _metadata
+
+    root, _ = make_pathfinder_release(tmp_path, count=20)
+    first = _metadata(root / "curv_contour_length_14")[0][0][0]
+    Image.fromarray(np.zeros((32, 33), dtype=np.uint8), mode="L").save(first)
+    with pytest.raises(ValueError, match=rf"{first.name} is 33 x 32 pixels; Pathfinder's "
+                                         r"images are square\.$"):
+        prepare("pathfinder", root, tmp_path / "c")
+    Image.fromarray(np.zeros((64, 64), dtype=np.uint8), mode="L").save(first)
+    with pytest.raises(ValueError, match=rf"is 32 x 32 pixels; expected 64 x 64 \(.*"
+                                         rf"{first.name}, the first image listed, is\)"):
+        prepare("pathfinder", root, tmp_path / "c")
+
+
 def test_pathfinder_metadata_that_is_not_text_names_the_file_and_line(tmp_path):
     # the release's metadata/*.npy are text; a NumPy array saved there, or a damaged
     # line, is named as a ListOps or AAN file would be, not by the codec alone

@@ -68,24 +68,30 @@ def _metadata(folder: Path) -> tuple[list[tuple[Path, int]], int]:
     return samples, empty
 
 
-def load_grey(path: Path, size: int | None = None) -> np.ndarray:
-    """Pixels of a grey PNG as a flat uint8 array; checks the side length if given."""
+def load_grey(path: Path, size: int | None = None, sized_by: Path | None = None
+              ) -> np.ndarray:
+    """Pixels of a grey PNG as a flat uint8 array; checks that it is square, and its
+    side length if given (that of ``sized_by``, the image named in the sentence)."""
     Image = pil_image()
     try:
         with Image.open(path) as img:
             pixels = np.asarray(img.convert("L"), dtype=np.uint8)
     except (OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable image ({err}).") from None
-    if pixels.shape[0] != pixels.shape[1] or (size is not None and pixels.shape[0] != size):
-        raise ValueError(f"{path} is {pixels.shape[1]} x {pixels.shape[0]} pixels; expected "
-                         f"{size} x {size} like the other images.")
+    shape = f"{path} is {pixels.shape[1]} x {pixels.shape[0]} pixels"
+    if pixels.shape[0] != pixels.shape[1]:
+        raise ValueError(f"{shape}; Pathfinder's images are square.")
+    if size is not None and pixels.shape[0] != size:
+        first = f" ({sized_by}, the first image listed, is)" if sized_by is not None else ""
+        raise ValueError(f"{shape}; expected {size} x {size}{first}: the images of one "
+                         f"difficulty are all one size.")
     return pixels.reshape(-1)
 
 
-def _examples(samples: Sequence[tuple[Path, int]], size: int
+def _examples(samples: Sequence[tuple[Path, int]], size: int, first: Path
               ) -> Iterator[tuple[list[np.ndarray], int]]:
     for path, label in samples:
-        yield [load_grey(path, size)], label
+        yield [load_grey(path, size, first)], label
 
 
 def _difficulty_folder(src: str | Path, difficulty: str | None) -> Path:
@@ -126,7 +132,8 @@ def read_pathfinder(src: str | Path, *, difficulty: str | None = None,
     few = (f"{folder} lists {len(samples)} readable images, too few for its 80/10/10 split "
            "(10 give every split one)")
     splits = {
-        name: SplitSource(len(idx), _examples([samples[i] for i in idx], side), empty=few)
+        name: SplitSource(len(idx), _examples([samples[i] for i in idx], side, samples[0][0]),
+                          empty=few)
         for name, idx in parts.items()
     }
     marker = folder / SYNTHETIC_MARKER
